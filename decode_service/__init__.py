@@ -1,0 +1,1 @@
+"""Decode worker service: owns KV blocks, receives KV, decodes and streams tokens."""

@@ -1,0 +1,1 @@
+"""Layers shared by the native models: norms, rotary embeddings, paged attention."""

@@ -1,0 +1,1 @@
+"""Native model implementations (Llama family) with HF parameter names."""

@@ -1,0 +1,1 @@
+"""KV-cache transport between a prefill worker and a decode worker: one interface, several backends."""

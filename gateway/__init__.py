@@ -1,0 +1,1 @@
+"""Gateway service: validation, tokenization, routing and streaming to clients."""

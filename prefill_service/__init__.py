@@ -1,0 +1,1 @@
+"""Prefill worker service: prompt pass, KV hand-off to decode."""
