@@ -1,0 +1,106 @@
+"""A request as the engine tracks it, and what the engine emits for it each step.
+
+Torch-free. Progress is ``num_computed_tokens`` against ``num_tokens``: a prompt chunk, a
+prefix-cache hit and KV that arrived from a prefill worker all just advance it.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued, no blocks
+    WAITING_FOR_KV = "waiting_for_kv"  # blocks reserved, KV arrives from a prefill worker
+    RUNNING = "running"  # has blocks, scheduled every step
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # EOS or a stop token id
+    LENGTH = "length"  # max_tokens or max_model_len reached
+    ABORT = "abort"  # cancelled by the caller
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """Log-probability of the chosen token and of the ``top`` most likely ones."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one engine step produced for one request (a delta, never the whole history)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    # Set when the request finished with ``hold_kv``: its blocks stay allocated until
+    # ``release_held`` is called, so a transfer can read them.
+    held_block_ids: list[int] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    # Prefill role: on finish, keep the blocks for a transfer instead of freeing them.
+    hold_kv: bool = False
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    # Tokens scheduled but whose sampled id is not yet known (overlapped scheduling).
+    num_pending_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    # Chained hashes of the full blocks whose KV is known to be written.
+    block_hashes: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+
+    def __post_init__(self) -> None:
+        if not self.all_token_ids:
+            self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def wants_more_tokens(self) -> bool:
+        """True while a further token may still be produced (pending ones included)."""
+        return self.num_output_tokens + self.num_pending_tokens < self.params.max_tokens
