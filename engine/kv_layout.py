@@ -1,14 +1,17 @@
 """The shape of a worker's paged KV cache, as exchanged in the transport handshake.
 
 Torch-free so that rpc/ and the schedulers can use it. The cache itself is one tensor
-of shape ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` (index 0 of
-dim 1 is K, 1 is V); a block's bytes for one layer and one of K/V are contiguous.
+of shape ``[num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim]`` (index 0 of
+dim 1 is K, 1 is V). Blocks are indexed on dim 3 (``BLOCK_DIM``). Heads sit outside
+blocks so that gathering a batch's blocks yields ``[heads, seqs, tokens, head_dim]``
+ready for a batched matmul, with no transpose copy on the decode hot path.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+BLOCK_DIM = 3
 DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -41,7 +44,7 @@ class KVLayout:
         return 2 * self.num_layers * self.block_numel_per_layer_kv * DTYPE_SIZES[self.dtype]
 
     def pool_shape(self, num_blocks: int) -> tuple[int, int, int, int, int, int]:
-        return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        return (self.num_layers, 2, self.num_kv_heads, num_blocks, self.block_size, self.head_dim)
 
     def mismatch(self, other: KVLayout) -> str | None:
         """A human-readable description of how ``other`` differs, or None if identical."""
