@@ -70,8 +70,10 @@ class Request:
     # Tokens scheduled but whose sampled id is not yet known (overlapped scheduling).
     num_pending_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
-    # Chained hashes of the full blocks whose KV is known to be written.
+    # Chained hashes of the prompt's/output's full blocks, extended lazily.
     block_hashes: list[int] = field(default_factory=list)
+    # How many leading blocks are registered in the prefix cache.
+    num_registered_blocks: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None

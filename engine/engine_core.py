@@ -1,0 +1,175 @@
+"""The synchronous engine: model files + scheduler + model runner, one step at a time.
+
+``step`` reads as schedule -> execute -> update. The asyncio face (``async_engine``)
+drives the same three calls from its own thread with the next step scheduled while the
+current one computes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.block_pool import BlockPool
+from engine.config import EngineConfig, ModelConfig
+from engine.kv_layout import KVLayout
+from engine.model_files import ModelFiles, read_hf_config, resolve_model
+from engine.model_runner import ModelRunner
+from engine.request import Request, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler import SampledToken, Scheduler, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+# Given the layout and block count, returns the KV pool tensor (e.g. in shared memory).
+KVPoolFactory = Callable[[KVLayout, int], torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_waiting_for_kv: int
+    num_total_blocks: int
+    num_free_blocks: int
+    num_held_blocks: int
+    num_queued_prompt_tokens: int
+    prefix_hit_tokens: int
+    prefix_query_tokens: int
+    num_preemptions: int
+    num_steps: int
+    busy_seconds: float
+
+
+class EngineCore:
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        *,
+        kv_pool_factory: KVPoolFactory | None = None,
+        show_progress: bool = True,
+    ):
+        self.cfg = cfg
+        if cfg.num_threads > 0:
+            torch.set_num_threads(cfg.num_threads)
+        self.files: ModelFiles = resolve_model(
+            cfg.model, Path(cfg.cache_dir) if cfg.cache_dir else None
+        )
+        self.model_config = ModelConfig.from_hf(read_hf_config(self.files))
+        mc = self.model_config
+        max_len = cfg.max_model_len or mc.max_position_embeddings
+        if max_len > mc.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {max_len} exceeds the model's max_position_embeddings "
+                f"{mc.max_position_embeddings}"
+            )
+        self.max_model_len = max_len
+        self.layout = KVLayout(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, cfg.dtype)
+        num_blocks = cfg.num_blocks or max(2, cfg.kv_cache_bytes // self.layout.block_bytes)
+        pool_tensor = kv_pool_factory(self.layout, num_blocks) if kv_pool_factory else None
+        self.runner = ModelRunner(
+            cfg, mc, self.files.path, num_blocks=num_blocks, kv_pool=pool_tensor,
+            show_progress=show_progress,
+        )
+        self.pool = BlockPool(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.pool,
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_model_len=max_len,
+        )
+        logger.info(
+            "engine ready: model=%s dtype=%s blocks=%d (%.1f MiB KV) max_model_len=%d",
+            self.files.name, cfg.dtype, num_blocks,
+            num_blocks * self.layout.block_bytes / 2**20, max_len,
+        )
+
+    # -- requests ---------------------------------------------------------------------
+
+    def make_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        hold_kv: bool = False,
+    ) -> Request:
+        """Validate a request against this model; raises ValueError naming the problem."""
+        if not request_id:
+            raise ValueError("request_id must be a non-empty string")
+        if not prompt_token_ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        vocab = self.model_config.vocab_size
+        for tok in prompt_token_ids:
+            if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab:
+                raise ValueError(
+                    f"prompt_token_ids contains {tok!r}, outside the vocabulary [0, {vocab})"
+                )
+        params.validate_vocab(vocab)
+        self.scheduler.check_admissible(request_id, len(prompt_token_ids))
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            eos_token_ids=frozenset(self.model_config.eos_token_ids),
+            hold_kv=hold_kv,
+        )
+
+    def add_request(self, req: Request) -> None:
+        self.scheduler.add(req)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        out = self.scheduler.abort(request_id)
+        self.runner.forget([request_id])
+        return out
+
+    # -- the step ---------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            return []
+        return self.update(sched, self.runner.execute(sched))
+
+    def update(self, sched: SchedulerOutput, sampled: list[SampledToken | None]) -> list[RequestOutput]:
+        outputs = self.scheduler.update(sched, sampled)
+        finished = [o.request_id for o in outputs if o.finished]
+        if finished:
+            self.runner.forget(finished)
+        return outputs
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            num_waiting_for_kv=len(s.remote),
+            num_total_blocks=self.pool.num_blocks,
+            num_free_blocks=self.pool.num_free,
+            num_held_blocks=s.num_held_blocks,
+            num_queued_prompt_tokens=s.num_queued_prompt_tokens,
+            prefix_hit_tokens=self.pool.prefix_hit_tokens,
+            prefix_query_tokens=self.pool.prefix_query_tokens,
+            num_preemptions=s.num_preemptions,
+            num_steps=self.runner.num_steps,
+            busy_seconds=self.runner.busy_seconds,
+        )
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        """Offline convenience: run prompts to completion; returns each one's output ids."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"offline-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, plist, strict=True):
+            self.add_request(self.make_request(rid, prompt, p))
+        out: dict[str, list[int]] = {rid: [] for rid in ids}
+        while self.has_work():
+            for o in self.step():
+                out[o.request_id].extend(o.new_token_ids)
+        return [out[rid] for rid in ids]

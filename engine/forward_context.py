@@ -1,0 +1,62 @@
+"""The attention metadata of one forward pass, visible to every attention layer.
+
+Set by the model runner with ``forward_context(...)`` around a forward and always reset,
+so layer signatures stay ``(positions, hidden)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class PrefillSeq:
+    """A query run of ``q_len`` tokens at positions [start, start + q_len)."""
+
+    q_start: int  # row of its first token in the flat batch
+    q_len: int
+    start: int  # tokens of context already in the cache before this chunk
+    block_ids: torch.Tensor  # [ceil((start + q_len) / block_size)] long
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    # Flat cache slot (block * block_size + offset) of every token of the batch.
+    slot_mapping: torch.Tensor
+    # The first ``num_decode`` rows are single-token queries, one per sequence.
+    num_decode: int
+    decode_block_tables: torch.Tensor | None  # [num_decode, max_blocks] long, 0-padded
+    # Additive mask [num_decode, max_blocks * block_size]: 0 for context, -inf for padding.
+    decode_mask: torch.Tensor | None
+    prefills: list[PrefillSeq]
+
+
+@dataclass(slots=True)
+class ForwardContext:
+    attn: AttentionMetadata
+    kv_cache: torch.Tensor  # [layers, 2, kv_heads, blocks, block_size, head_dim]
+
+
+_current: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar(
+    "baton_forward_context", default=None
+)
+
+
+def get_forward_context() -> ForwardContext:
+    ctx = _current.get()
+    assert ctx is not None, "attention called outside forward_context()"
+    return ctx
+
+
+@contextlib.contextmanager
+def forward_context(ctx: ForwardContext) -> Iterator[None]:
+    token = _current.set(ctx)
+    try:
+        yield
+    finally:
+        _current.reset(token)

@@ -1,0 +1,396 @@
+"""Iteration-level continuous batching over a token budget and a sequence cap. Torch-free.
+
+Each step, running requests go first (decode tokens and the rest of chunked prefills),
+then waiting requests are admitted FCFS while the token budget, the sequence cap and
+free blocks allow. When a running request needs a block and none is free, the newest
+running request is preempted by recompute. Progress is ``num_computed_tokens`` against
+the request's logical length, so a prompt chunk, a decode token, a prefix-cache hit, a
+recompute after preemption and KV that arrived from a prefill worker are one idea.
+
+``schedule`` may run while the previous step is still executing: a token sampled by
+that step is *pending* (counted, id not yet known); the runner fills it in.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_pool import ROOT_HASH, BlockPool, hash_block
+from engine.errors import ResourceExhaustedError
+from engine.request import FinishReason, Request, RequestOutput, RequestStatus, TokenLogprob
+
+logger = logging.getLogger(__name__)
+
+PENDING_TOKEN = -1
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """One request's share of a step: compute ``num_new`` tokens starting at ``start``."""
+
+    request: Request
+    start: int
+    num_new: int
+    # Sample a token after this step (the step reaches the request's logical end).
+    sample: bool
+    # Token ids to feed; the last is PENDING_TOKEN when it is the previous step's sample.
+    input_ids: list[int]
+    # Blocks covering positions [0, start + num_new).
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    step_id: int
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclass(slots=True)
+class SampledToken:
+    """What the runner sampled for one ``ScheduledSeq`` with ``sample=True``."""
+
+    token_id: int
+    logprob: TokenLogprob | None = None
+
+
+class Scheduler:
+    def __init__(
+        self,
+        pool: BlockPool,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+    ):
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.remote: dict[str, Request] = {}  # blocks reserved, KV not yet arrived
+        self.held: dict[str, list[int]] = {}  # finished, blocks kept for a transfer
+        self._step_id = 0
+        self.num_preemptions = 0
+
+    # -- intake -----------------------------------------------------------------------
+
+    def check_admissible(self, request_id: str, prompt_len: int) -> None:
+        """Raise ValueError for a request that could never run (nothing is allocated)."""
+        if request_id in self.requests or request_id in self.held:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if prompt_len < 1:
+            raise ValueError("prompt must contain at least one token")
+        if prompt_len >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {prompt_len} tokens; max_model_len is {self.max_model_len}, "
+                "which must leave room for at least one new token"
+            )
+        need = self._blocks_for(prompt_len + 1)
+        if need > self.pool.num_blocks:
+            raise ValueError(
+                f"prompt has {prompt_len} tokens and needs {need} KV blocks; the pool has "
+                f"only {self.pool.num_blocks}"
+            )
+
+    def add(self, req: Request) -> None:
+        self.check_admissible(req.request_id, req.num_prompt_tokens)
+        req.status = RequestStatus.WAITING
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def reserve_remote(self, req: Request) -> list[int]:
+        """Allocate blocks for ``req``'s prompt, to be filled by a prefill worker.
+
+        Raises ResourceExhaustedError (allocating nothing) when the pool can't hold it.
+        """
+        self.check_admissible(req.request_id, req.num_prompt_tokens)
+        blocks = self.pool.allocate(self._blocks_for(req.num_prompt_tokens))
+        if blocks is None:
+            raise ResourceExhaustedError(
+                f"no free KV blocks for request {req.request_id} "
+                f"({self._blocks_for(req.num_prompt_tokens)} needed, {self.pool.num_free} free)"
+            )
+        req.block_ids = blocks
+        req.status = RequestStatus.WAITING_FOR_KV
+        self.requests[req.request_id] = req
+        self.remote[req.request_id] = req
+        return blocks
+
+    def remote_kv_ready(self, request_id: str, first_token: int) -> RequestOutput | None:
+        """The prompt's KV is in place and the prefill worker sampled ``first_token``.
+
+        Returns a finishing output if that token already ends the request, else None
+        (the request joins the next step).
+        """
+        req = self.remote.pop(request_id, None)
+        if req is None:
+            return None
+        req.num_computed_tokens = req.num_prompt_tokens
+        self._register_full_blocks(req, req.num_prompt_tokens)
+        req.all_token_ids.append(first_token)
+        reason = self._stop_reason(req, first_token)
+        if reason is not None:
+            self._finish(req, reason)
+            return RequestOutput(
+                request_id, [], finish_reason=reason, num_prompt_tokens=req.num_prompt_tokens
+            )
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+        return None
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request in any state and free its blocks. Idempotent."""
+        held = self.held.pop(request_id, None)
+        if held is not None:
+            self.pool.free(held)
+            return None
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        if req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        elif req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status is RequestStatus.WAITING_FOR_KV:
+            del self.remote[request_id]
+        req.hold_kv = False
+        self._finish(req, FinishReason.ABORT)
+        return RequestOutput(
+            request_id, [], finish_reason=FinishReason.ABORT, num_prompt_tokens=req.num_prompt_tokens
+        )
+
+    def release_held(self, request_id: str) -> bool:
+        """Free the blocks a finished ``hold_kv`` request kept. Idempotent."""
+        blocks = self.held.pop(request_id, None)
+        if blocks is None:
+            return False
+        self.pool.free(blocks)
+        return True
+
+    # -- the step ---------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        self._step_id += 1
+        out = SchedulerOutput(self._step_id)
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(self._logical_len(req) - req.num_computed_tokens, budget)
+            if num_new <= 0 or not req.wants_more_tokens:
+                i += 1
+                continue
+            need = self._blocks_for(req.num_computed_tokens + num_new) - len(req.block_ids)
+            while need > self.pool.num_free and self.running[-1] is not req:
+                self._preempt(self.running.pop(), out)
+            if need > self.pool.num_free:
+                self._preempt(self.running.pop(i), out)
+                continue
+            self._grow(req, need)
+            budget -= self._emit(req, num_new, out)
+            i += 1
+        if not out.preempted_ids:
+            self._admit(budget, out)
+        return out
+
+    def _admit(self, budget: int, out: SchedulerOutput) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            hits: list[int] = []
+            if req.num_computed_tokens == 0:
+                hits = self._match_prefix(req)
+            start = max(req.num_computed_tokens, len(hits) * self.block_size)
+            num_new = min(self._logical_len(req) - start, budget)
+            have = len(req.block_ids) + len(hits)
+            need = self._blocks_for(start + num_new) - have
+            revived = sum(1 for b in hits if self.pool.ref_count(b) == 0)
+            if need + revived > self.pool.num_free:
+                break
+            self.waiting.popleft()
+            if hits:
+                self.pool.share(hits)
+                req.block_ids = hits
+                req.num_registered_blocks = len(hits)
+            if req.num_computed_tokens == 0:
+                hit_tokens = len(hits) * self.block_size
+                self.pool.record_lookup(req.num_tokens, hit_tokens)
+                if req.num_preemptions == 0:
+                    req.num_cached_tokens = hit_tokens
+            req.num_computed_tokens = start
+            self._grow(req, need)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            budget -= self._emit(req, num_new, out)
+
+    def update(
+        self, sched: SchedulerOutput, sampled: list[SampledToken | None]
+    ) -> list[RequestOutput]:
+        """Apply a finished step's results; returns one output per request that moved.
+
+        ``sampled`` is aligned with ``sched.seqs`` (None where nothing was sampled).
+        Results for requests that finished or were aborted meanwhile are dropped.
+        """
+        outputs: list[RequestOutput] = []
+        for seq, tok in zip(sched.seqs, sampled, strict=True):
+            req = seq.request
+            if req.is_finished:
+                continue
+            confirmed = seq.start + seq.num_new
+            if tok is None:
+                if req.num_computed_tokens >= confirmed:
+                    self._register_full_blocks(req, confirmed)
+                continue
+            req.num_pending_tokens -= 1
+            req.all_token_ids.append(tok.token_id)
+            if req.num_computed_tokens >= confirmed:
+                self._register_full_blocks(req, confirmed)
+            reason = self._stop_reason(req, tok.token_id)
+            output = RequestOutput(
+                req.request_id,
+                [tok.token_id],
+                logprobs=[tok.logprob] if tok.logprob is not None else None,
+                num_prompt_tokens=req.num_prompt_tokens,
+                num_cached_tokens=req.num_cached_tokens,
+            )
+            if reason is not None:
+                if req.status is RequestStatus.RUNNING:
+                    self.running.remove(req)
+                elif req.status is RequestStatus.WAITING:
+                    self.waiting.remove(req)
+                output.finish_reason = reason
+                if req.hold_kv:
+                    output.held_block_ids = list(req.block_ids)
+                self._finish(req, reason)
+            outputs.append(output)
+        return outputs
+
+    # -- stats ------------------------------------------------------------------------
+
+    @property
+    def num_held_blocks(self) -> int:
+        return sum(len(b) for b in self.held.values())
+
+    @property
+    def num_queued_prompt_tokens(self) -> int:
+        """Prompt tokens admitted but not yet computed (the prefill load signal)."""
+        running = sum(
+            max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in self.running
+        )
+        return running + sum(r.num_prompt_tokens - r.num_computed_tokens for r in self.waiting)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- internals --------------------------------------------------------------------
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    @staticmethod
+    def _logical_len(req: Request) -> int:
+        return req.num_tokens + req.num_pending_tokens
+
+    def _grow(self, req: Request, need: int) -> None:
+        if need > 0:
+            blocks = self.pool.allocate(need)
+            assert blocks is not None
+            req.block_ids = req.block_ids + blocks
+
+    def _emit(self, req: Request, num_new: int, out: SchedulerOutput) -> int:
+        start = req.num_computed_tokens
+        end = start + num_new
+        logical = self._logical_len(req)
+        known = req.num_tokens
+        ids = req.all_token_ids[start : min(end, known)]
+        if end > known:
+            assert end == known + 1 and req.num_pending_tokens == 1
+            ids.append(PENDING_TOKEN)
+        sample = end == logical
+        out.seqs.append(
+            ScheduledSeq(req, start, num_new, sample, ids, req.block_ids[: self._blocks_for(end)])
+        )
+        out.num_batched_tokens += num_new
+        req.num_computed_tokens = end
+        if sample:
+            req.num_pending_tokens += 1
+        return num_new
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        logger.info("preempting request %s (recompute)", req.request_id)
+        self.pool.free(req.block_ids)
+        req.block_ids = []
+        req.num_registered_blocks = 0
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+        out.preempted_ids.append(req.request_id)
+
+    def _hashes_upto(self, req: Request, num_blocks: int) -> list[int]:
+        hashes = req.block_hashes
+        bs = self.block_size
+        while len(hashes) < num_blocks:
+            b = len(hashes)
+            parent = hashes[-1] if hashes else ROOT_HASH
+            hashes.append(hash_block(parent, req.all_token_ids[b * bs : (b + 1) * bs]))
+        return hashes[:num_blocks]
+
+    def _match_prefix(self, req: Request) -> list[int]:
+        if not self.pool.enable_prefix_caching:
+            return []
+        # Leave at least one token to compute, so the step has logits to sample from.
+        max_blocks = (self._logical_len(req) - 1) // self.block_size
+        hashes = self._hashes_upto(req, max_blocks)
+        bs = self.block_size
+        keys = [tuple(req.all_token_ids[b * bs : (b + 1) * bs]) for b in range(max_blocks)]
+        return self.pool.match_prefix(hashes, keys)
+
+    def _register_full_blocks(self, req: Request, computed: int) -> None:
+        if not self.pool.enable_prefix_caching:
+            return
+        full = min(computed, req.num_tokens) // self.block_size
+        full = min(full, len(req.block_ids))
+        if full <= req.num_registered_blocks:
+            return
+        hashes = self._hashes_upto(req, full)
+        bs = self.block_size
+        for b in range(req.num_registered_blocks, full):
+            parent = hashes[b - 1] if b else ROOT_HASH
+            self.pool.cache_block(req.block_ids[b], parent, req.all_token_ids[b * bs : (b + 1) * bs])
+        req.num_registered_blocks = full
+
+    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
+        params = req.params
+        n_out = req.num_output_tokens
+        # The sampler masks stop tokens while fewer than min_tokens were produced, so
+        # one can only legitimately appear after that.
+        if n_out > params.min_tokens:
+            if not params.ignore_eos and token in req.eos_token_ids:
+                return FinishReason.STOP
+            if token in params.stop_token_ids:
+                return FinishReason.STOP
+        if n_out >= params.max_tokens or req.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        self.requests.pop(req.request_id, None)
+        if req.hold_kv and reason is not FinishReason.ABORT:
+            self.held[req.request_id] = req.block_ids
+        else:
+            self.pool.free(req.block_ids)
+        req.block_ids = []
