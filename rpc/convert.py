@@ -1,0 +1,220 @@
+"""The one mapping between wire messages (``protos/baton/v1``) and engine records.
+
+Servicers stay thin: proto -> domain here, domain -> engine -> domain, domain -> proto
+here. Reading from the wire validates: a bad value raises ``ValueError`` whose message
+starts with the proto field's path (``sampling_params.top_p must be in (0, 1] ...``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from engine.kv_layout import KVLayout
+from engine.request import FinishReason, RequestOutput, TokenLogprob
+from engine.sampling_params import SamplingParams
+from protos.baton.v1 import common_pb2, kv_pb2, worker_pb2
+
+_SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+# SamplingParams fields that are `optional` scalars on the wire (all but the repeated one).
+_OPTIONAL_SCALARS = tuple(name for name in _SAMPLING_FIELDS if name != "stop_token_ids")
+
+_FINISH_TO_PROTO = {
+    None: common_pb2.FINISH_REASON_UNSPECIFIED,
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
+}
+_FINISH_FROM_PROTO: dict[int, FinishReason | None] = {
+    int(v): k for k, v in _FINISH_TO_PROTO.items()
+}
+# The engine has no stop strings (the gateway applies them); for it, they are a STOP.
+_FINISH_FROM_PROTO[common_pb2.FINISH_REASON_STOP_STRING] = FinishReason.STOP
+
+_DTYPE_TO_PROTO = {
+    "float32": kv_pb2.KV_DTYPE_FLOAT32,
+    "bfloat16": kv_pb2.KV_DTYPE_BFLOAT16,
+    "float16": kv_pb2.KV_DTYPE_FLOAT16,
+}
+_DTYPE_FROM_PROTO = {v: k for k, v in _DTYPE_TO_PROTO.items()}
+
+
+def _field_error(path: str, exc: ValueError) -> ValueError:
+    """``exc`` re-worded so its message starts with ``path`` + the field it names."""
+    message = str(exc)
+    for name in _SAMPLING_FIELDS:
+        if message.startswith(name):
+            return ValueError(f"{path}.{message}")
+    return ValueError(f"{path}: {message}")
+
+
+# --- sampling parameters -------------------------------------------------------------
+
+
+def sampling_params_from_proto(
+    msg: common_pb2.SamplingParameters, *, path: str = "sampling_params"
+) -> SamplingParams:
+    """Validated SamplingParams; unset fields take the dataclass defaults.
+
+    Raises ValueError naming ``path.<field>`` for any out-of-range value.
+    """
+    values: dict[str, Any] = {
+        name: getattr(msg, name) for name in _OPTIONAL_SCALARS if msg.HasField(name)
+    }
+    if msg.stop_token_ids:
+        values["stop_token_ids"] = tuple(msg.stop_token_ids)
+    try:
+        return SamplingParams(**values)
+    except ValueError as exc:
+        raise _field_error(path, exc) from exc
+
+
+def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParameters:
+    """Every field set explicitly, so the receiver never falls back on its own defaults
+    (``seed`` and ``logprobs`` stay unset when None)."""
+    msg = common_pb2.SamplingParameters(stop_token_ids=params.stop_token_ids)
+    for name in _OPTIONAL_SCALARS:
+        value = getattr(params, name)
+        if value is not None:
+            setattr(msg, name, value)
+    return msg
+
+
+# --- finish reason, log-probabilities, usage -----------------------------------------
+
+
+def finish_reason_to_proto(reason: FinishReason | None) -> common_pb2.FinishReason:
+    return _FINISH_TO_PROTO[reason]
+
+
+def finish_reason_from_proto(value: int, *, path: str = "finish_reason") -> FinishReason | None:
+    """None for UNSPECIFIED (not finished); STOP_STRING reads as STOP."""
+    try:
+        return _FINISH_FROM_PROTO[value]
+    except KeyError:
+        raise ValueError(f"{path} has unknown value {value!r}") from None
+
+
+def token_logprob_to_proto(lp: TokenLogprob) -> common_pb2.TokenLogprob:
+    return common_pb2.TokenLogprob(
+        token_id=lp.token_id,
+        logprob=lp.logprob,
+        rank=lp.rank,
+        top=[common_pb2.TopLogprob(token_id=t, logprob=p) for t, p in lp.top],
+    )
+
+
+def token_logprob_from_proto(msg: common_pb2.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(
+        token_id=msg.token_id,
+        logprob=msg.logprob,
+        rank=msg.rank,
+        top=[(t.token_id, t.logprob) for t in msg.top],
+    )
+
+
+def usage_to_proto(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int
+) -> common_pb2.Usage:
+    return common_pb2.Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        cached_tokens=cached_tokens,
+    )
+
+
+# --- request outputs -----------------------------------------------------------------
+
+
+def decode_response_from_output(
+    out: RequestOutput, *, completion_tokens: int
+) -> worker_pb2.DecodeResponse:
+    """One engine delta as a DecodeResponse. ``completion_tokens`` is the request's total
+    so far (the output is a delta and does not know it); it goes into ``usage``, which
+    is set only when ``out`` is the last output."""
+    msg = worker_pb2.DecodeResponse(
+        token_ids=out.new_token_ids,
+        logprobs=[token_logprob_to_proto(lp) for lp in out.logprobs or ()],
+        finish_reason=finish_reason_to_proto(out.finish_reason),
+    )
+    if out.finished:
+        msg.usage.CopyFrom(
+            usage_to_proto(out.num_prompt_tokens, completion_tokens, out.num_cached_tokens)
+        )
+    return msg
+
+
+def output_from_decode_response(request_id: str, msg: worker_pb2.DecodeResponse) -> RequestOutput:
+    """The inverse of :func:`decode_response_from_output` (empty logprobs read as None)."""
+    usage = msg.usage if msg.HasField("usage") else None
+    return RequestOutput(
+        request_id=request_id,
+        new_token_ids=list(msg.token_ids),
+        logprobs=[token_logprob_from_proto(lp) for lp in msg.logprobs] or None,
+        finish_reason=finish_reason_from_proto(msg.finish_reason),
+        num_prompt_tokens=usage.prompt_tokens if usage is not None else 0,
+        num_cached_tokens=usage.cached_tokens if usage is not None else 0,
+    )
+
+
+def first_token_from_output(out: RequestOutput) -> worker_pb2.FirstToken:
+    """Prefill's first output (exactly one new token) as a FirstToken."""
+    if len(out.new_token_ids) != 1:
+        raise ValueError(
+            f"request {out.request_id}: a first token output carries exactly one token, "
+            f"got {len(out.new_token_ids)}"
+        )
+    msg = worker_pb2.FirstToken(
+        token_id=out.new_token_ids[0],
+        num_cached_tokens=out.num_cached_tokens,
+        finish_reason=finish_reason_to_proto(out.finish_reason),
+    )
+    if out.logprobs:
+        msg.logprob.CopyFrom(token_logprob_to_proto(out.logprobs[0]))
+    return msg
+
+
+def output_from_first_token(
+    request_id: str, msg: worker_pb2.FirstToken, *, num_prompt_tokens: int
+) -> RequestOutput:
+    """The inverse of :func:`first_token_from_output`."""
+    return RequestOutput(
+        request_id=request_id,
+        new_token_ids=[msg.token_id],
+        logprobs=[token_logprob_from_proto(msg.logprob)] if msg.HasField("logprob") else None,
+        finish_reason=finish_reason_from_proto(msg.finish_reason, path="first_token.finish_reason"),
+        num_prompt_tokens=num_prompt_tokens,
+        num_cached_tokens=msg.num_cached_tokens,
+    )
+
+
+# --- KV layout -----------------------------------------------------------------------
+
+
+def kv_layout_to_proto(layout: KVLayout) -> kv_pb2.KVLayout:
+    return kv_pb2.KVLayout(
+        num_layers=layout.num_layers,
+        block_size=layout.block_size,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        dtype=_DTYPE_TO_PROTO[layout.dtype],
+    )
+
+
+def kv_layout_from_proto(msg: kv_pb2.KVLayout, *, path: str = "layout") -> KVLayout:
+    """Validated KVLayout; raises ValueError naming ``path.<field>``."""
+    dtype = _DTYPE_FROM_PROTO.get(msg.dtype)
+    if dtype is None:
+        allowed = [kv_pb2.KVDtype.Name(v) for v in _DTYPE_FROM_PROTO]
+        raise ValueError(f"{path}.dtype must be one of {allowed}, got {msg.dtype!r}")
+    for name in ("num_layers", "block_size", "num_kv_heads", "head_dim"):
+        value = getattr(msg, name)
+        if value < 1:
+            raise ValueError(f"{path}.{name} must be >= 1, got {value}")
+    return KVLayout(
+        num_layers=msg.num_layers,
+        block_size=msg.block_size,
+        num_kv_heads=msg.num_kv_heads,
+        head_dim=msg.head_dim,
+        dtype=dtype,
+    )

@@ -1,0 +1,311 @@
+"""The one gRPC server lifecycle that gateway, prefill and decode share.
+
+The official asyncio pattern (grpc ``async_greeter_server_with_graceful_shutdown.py``),
+plus what a model server needs around it::
+
+    start:  server with ErrorInterceptor -> register servicers -> health (NOT_SERVING)
+            -> reflection -> bind -> start -> port file -> await spec.ready()
+            -> health SERVING, calls admitted
+    stop:   health NOT_SERVING -> new calls refused with UNAVAILABLE -> in-flight calls
+            drain for up to spec.grace_s -> server.stop() cancels what is left
+
+Until ``ready`` returns, and from the moment stopping begins, every call other than
+health and reflection is refused with UNAVAILABLE, so a caller can retry elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import os
+import signal
+import tempfile
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import grpc.aio
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from engine.errors import UnavailableError
+from rpc.channels import SERVER_OPTIONS
+from rpc.errors import ErrorInterceptor, wrap_handler
+
+logger = logging.getLogger(__name__)
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+# Calls to these are always admitted and never counted as in flight: probes must work
+# while the server starts and drains, and a health Watch stream never ends by itself.
+_INFRA_PREFIXES = (
+    f"/{health.SERVICE_NAME}/",
+    f"/{reflection.SERVICE_NAME}/",
+    "/grpc.reflection.v1.ServerReflection/",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSpec:
+    """Everything the lifecycle needs from one service. Built once, in ``__main__``."""
+
+    name: str  # for logs: "gateway", "prefill", "decode", ...
+    # Adds the servicers to the server (``add_XServicer_to_server(servicer, server)``).
+    register: Callable[[grpc.aio.Server], None]
+    # Full names of the registered services (``baton.v1.DecodeWorker``), for health
+    # and reflection.
+    service_names: Sequence[str]
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: any free port; the bound one is logged and written to port_file
+    # Awaited after start; SERVING once it returns (weights loaded, KV allocated, warm-up
+    # done). If it raises, the server stops and serve() re-raises. None: ready at once.
+    ready: Callable[[], Awaitable[None]] | None = None
+    grace_s: float = 30.0  # how long in-flight calls may drain on stop
+    port_file: Path | None = None  # written atomically with the bound port, if set
+    options: tuple[tuple[str, int], ...] = SERVER_OPTIONS
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65536), got {self.port!r}")
+        if self.grace_s < 0:
+            raise ValueError(f"grace_s must be >= 0, got {self.grace_s!r}")
+        if not self.service_names:
+            raise ValueError("service_names must name at least one service")
+
+
+class _Gate(grpc.aio.ServerInterceptor):
+    """Admits calls only while serving, and counts the ones in flight.
+
+    Refusals raise UnavailableError inside the call, so ErrorInterceptor (outside this
+    one) is still the only place that picks a status code.
+    """
+
+    def __init__(self) -> None:
+        self.open = False
+        self.reason = "server is starting"
+        self._in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    def close(self, reason: str) -> None:
+        self.open = False
+        self.reason = reason
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """True when no counted call is in flight, False after ``timeout`` seconds."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler_call_details.method.startswith(_INFRA_PREFIXES):
+            return handler
+        return wrap_handler(handler, self._admit)
+
+    def _admit(self, behavior: Callable[..., Any]) -> Callable[..., Any]:
+        if inspect.isasyncgenfunction(behavior):
+
+            async def admitted_stream(request: Any, context: Any) -> AsyncIterator:
+                with self._counted():
+                    async with contextlib.aclosing(behavior(request, context)) as responses:
+                        async for response in responses:
+                            yield response
+
+            return admitted_stream
+
+        if inspect.iscoroutinefunction(behavior):
+
+            async def admitted(request: Any, context: Any) -> Any:
+                with self._counted():
+                    return await behavior(request, context)
+
+            return admitted
+
+        return behavior
+
+    @contextlib.contextmanager
+    def _counted(self) -> Iterator[None]:
+        if not self.open:
+            raise UnavailableError(self.reason)
+        self._in_flight += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._idle.set()
+
+
+class RpcServer:
+    """One server: ``start`` it, then ``stop`` it; :func:`serve` does both around signals."""
+
+    def __init__(self, spec: ServerSpec) -> None:
+        self.spec = spec
+        self.port = 0  # the bound port, once started
+        self.health_servicer = health.aio.HealthServicer()
+        self.ready_error: Exception | None = None  # what spec.ready raised, if it did
+        self._server: grpc.aio.Server | None = None
+        self._gate = _Gate()
+        self._ready_task: asyncio.Task[None] | None = None
+        self._stopping: asyncio.Task[None] | None = None
+
+    @property
+    def in_flight(self) -> int:
+        """Calls being served now (health and reflection not counted)."""
+        return self._gate.in_flight
+
+    @property
+    def serving(self) -> bool:
+        return self._gate.open
+
+    async def start(self) -> int:
+        """Bind, start, and begin awaiting readiness; returns the bound port. Call once."""
+        spec = self.spec
+        if self._server is not None:
+            raise RuntimeError(f"{spec.name}: server already started")
+        server = grpc.aio.server(
+            interceptors=[ErrorInterceptor(), self._gate], options=list(spec.options)
+        )
+        spec.register(server)
+        for name in ("", *spec.service_names):
+            await self.health_servicer.set(name, NOT_SERVING)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health_servicer, server)
+        reflection.enable_server_reflection(
+            (*spec.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        address = f"{spec.host}:{spec.port}"
+        port = server.add_insecure_port(address)
+        if port == 0:
+            raise OSError(f"{spec.name}: could not bind {address}")
+        await server.start()
+        self._server, self.port = server, port
+        logger.info("%s listening on %s:%d", spec.name, spec.host, port)
+        if spec.port_file is not None:
+            write_port_file(spec.port_file, port)
+        self._ready_task = asyncio.create_task(self._become_ready(), name=f"{spec.name}-ready")
+        return port
+
+    async def wait_ready(self) -> None:
+        """Return once SERVING; raise what ``spec.ready`` raised if it failed."""
+        if self._ready_task is None:
+            raise RuntimeError(f"{self.spec.name}: server not started")
+        await asyncio.shield(self._ready_task)
+        if self.ready_error is not None:
+            raise self.ready_error
+
+    async def _become_ready(self) -> None:
+        try:
+            if self.spec.ready is not None:
+                await self.spec.ready()
+        except Exception as exc:
+            logger.exception("%s failed to become ready; stopping", self.spec.name)
+            self.ready_error = exc
+            self._stopping = self._stopping or asyncio.create_task(self._stop())
+            return
+        if self._stopping is not None:
+            return
+        self._gate.open = True
+        for name in ("", *self.spec.service_names):
+            await self.health_servicer.set(name, SERVING)
+        logger.info("%s is SERVING", self.spec.name)
+
+    async def stop(self) -> None:
+        """Drain and stop (see the module doc). Safe to call twice or concurrently."""
+        if self._server is None:
+            return
+        if self._stopping is None:
+            self._stopping = asyncio.create_task(self._stop())
+        await asyncio.shield(self._stopping)
+
+    async def _stop(self) -> None:
+        assert self._server is not None
+        name, grace = self.spec.name, self.spec.grace_s
+        began = time.monotonic()
+        if self._ready_task is not None and not self._ready_task.done():
+            self._ready_task.cancel()
+        await self.health_servicer.enter_graceful_shutdown()
+        self._gate.close(f"{name} is shutting down")
+        logger.info(
+            "%s draining: %d call(s) in flight, grace %.1fs", name, self._gate.in_flight, grace
+        )
+        if not await self._gate.wait_idle(grace):
+            logger.warning(
+                "%s: %d call(s) still in flight after %.1fs; cancelling them",
+                name,
+                self._gate.in_flight,
+                grace,
+            )
+        # Cancels whatever is left, including health Watch streams, which never end.
+        await self._server.stop(0)
+        logger.info("%s stopped after %.2fs", name, time.monotonic() - began)
+
+    async def wait_for_termination(self) -> None:
+        if self._server is not None:
+            await self._server.wait_for_termination()
+
+
+async def serve(spec: ServerSpec) -> None:
+    """Run a server until SIGTERM or SIGINT, then drain and stop. For a service's ``__main__``.
+
+    Raises what ``spec.ready`` raised if the service could not become ready (after
+    stopping the server).
+    """
+    server = RpcServer(spec)
+    loop = asyncio.get_running_loop()
+    stop_requested = asyncio.Event()
+    signals = (signal.SIGTERM, signal.SIGINT)
+    for sig in signals:
+        loop.add_signal_handler(sig, _on_signal, spec.name, sig, stop_requested)
+    waits: list[asyncio.Task[Any]] = []
+    try:
+        await server.start()
+        ready = asyncio.create_task(server.wait_ready())
+        stop = asyncio.create_task(stop_requested.wait())
+        waits = [ready, stop]
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        if ready.done() and ready.exception() is not None:
+            raise ready.exception()  # type: ignore[misc]
+        await stop
+    finally:
+        for task in waits:
+            task.cancel()
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+        await server.stop()
+
+
+def _on_signal(name: str, sig: signal.Signals, stop_requested: asyncio.Event) -> None:
+    logger.info("%s received %s", name, sig.name)
+    stop_requested.set()
+
+
+def write_port_file(path: Path, port: int) -> None:
+    """Write ``port`` to ``path`` atomically: a reader sees nothing or the whole number."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{port}\n")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise

@@ -1,0 +1,51 @@
+"""rpc.channels: one cached channel per address, usable against a real loopback server."""
+
+from __future__ import annotations
+
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from rpc.channels import CHANNEL_OPTIONS, ChannelCache, make_channel
+from rpc.server import RpcServer, ServerSpec
+
+
+def test_make_channel_rejects_a_bad_address() -> None:
+    with pytest.raises(ValueError, match="host:port"):
+        make_channel("localhost")
+
+
+def test_options_carry_keepalive_and_size_limits() -> None:
+    names = dict(CHANNEL_OPTIONS)
+    assert names["grpc.keepalive_time_ms"] > 0
+    assert names["grpc.max_receive_message_length"] >= 4 * 1024 * 1024
+
+
+async def test_cache_reuses_drops_and_closes() -> None:
+    cache = ChannelCache()
+    a = cache.get("127.0.0.1:1")
+    assert cache.get("127.0.0.1:1") is a
+    b = cache.get("127.0.0.1:2")
+    assert b is not a and len(cache) == 2
+    await cache.drop("127.0.0.1:1")
+    assert "127.0.0.1:1" not in cache
+    assert cache.get("127.0.0.1:1") is not a
+    await cache.drop("127.0.0.1:9")  # unknown: nothing to do
+    await cache.close()
+    await cache.close()
+    assert len(cache) == 0
+
+
+async def test_cached_channel_talks_to_a_server() -> None:
+    server = RpcServer(
+        ServerSpec(name="h", register=lambda s: None, service_names=("grpc.health.v1.Health",))
+    )
+    await server.start()
+    await server.wait_ready()
+    cache = ChannelCache()
+    try:
+        stub = health_pb2_grpc.HealthStub(cache.get(f"127.0.0.1:{server.port}"))
+        reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        await cache.close()
+        await server.stop()
