@@ -91,14 +91,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> list[SampledToken | None]:
+        """Run one step; returns a sampled token for each seq with ``sample=True``."""
         t0 = time.perf_counter()
         batch = self._prepare(sched)
-        with forward_context(ForwardContext(batch.meta, self.kv_cache)):
-            hidden = self.model(batch.input_ids, batch.positions)
+        logits = self._forward(batch)
         results: list[SampledToken | None] = [None] * len(sched.seqs)
         last: dict[str, int] = {}
         if batch.sample_seq_idx:
-            logits = self.model.compute_logits(hidden[batch.sample_rows]).float()
             rows = [self._sampling_row(sched.seqs[i]) for i in batch.sample_seq_idx]
             for i, (tok, lp) in zip(batch.sample_seq_idx, self.sampler(logits, rows), strict=True):
                 results[i] = SampledToken(tok, lp)
@@ -107,6 +106,21 @@ class ModelRunner:
         self.busy_seconds += time.perf_counter() - t0
         self.num_steps += 1
         return results
+
+    @torch.inference_mode()
+    def forward_logits(self, sched: SchedulerOutput) -> torch.Tensor:
+        """Float32 logits [num sampling seqs, vocab] of a step, without sampling.
+
+        Writes the step's KV like ``execute`` does; used by parity tests.
+        """
+        return self._forward(self._prepare(sched))
+
+    def _forward(self, batch: _Batch) -> torch.Tensor:
+        with forward_context(ForwardContext(batch.meta, self.kv_cache)):
+            hidden = self.model(batch.input_ids, batch.positions)
+        if not batch.sample_seq_idx:
+            return hidden.new_empty((0, self.model_cfg.vocab_size), dtype=torch.float32)
+        return self.model.compute_logits(hidden[batch.sample_rows]).float()
 
     def _sampling_row(self, seq: ScheduledSeq) -> SamplingRow:
         req = seq.request

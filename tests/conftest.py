@@ -1,0 +1,37 @@
+"""Shared pytest fixtures: tiny random models (built once per session) and the real SmolLM2.
+
+Builders live in ``tests/factories.py``; fixtures here only cache their results.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.model_files import ModelFiles, resolve_model
+from tests.factories import make_tiny_model_dir
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> ModelFiles:
+    """The bundled SmolLM2-135M-Instruct, converted once into the user cache."""
+    return resolve_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory, smollm2: ModelFiles) -> Path:
+    """A tiny random Llama that shares SmolLM2's tokenizer and vocabulary."""
+    return make_tiny_model_dir(
+        tmp_path_factory.mktemp("tiny-llama"), arch="llama", tokenizer_from=smollm2.path
+    )
