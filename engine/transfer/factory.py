@@ -1,0 +1,59 @@
+"""Picks the sender and receiver classes for a transport kind; the one place that names them."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kv_layout import KVLayout
+from engine.transfer.base import TRANSPORT_KINDS, KVReceiver, KVSender, Notify, TransferConfig
+from engine.transfer.cuda_ipc import CudaIpcReceiver, CudaIpcSender
+from engine.transfer.gloo import GlooReceiver, GlooSender
+from engine.transfer.nccl import NcclReceiver, NcclSender
+from engine.transfer.shm import ShmReceiver, ShmSender
+
+_SENDERS: dict[str, type[KVSender]] = {
+    "shm": ShmSender, "gloo": GlooSender, "cuda_ipc": CudaIpcSender, "nccl": NcclSender,
+}
+_RECEIVERS = {
+    "shm": ShmReceiver, "gloo": GlooReceiver, "cuda_ipc": CudaIpcReceiver, "nccl": NcclReceiver,
+}
+_DEFAULT_DEVICES = {"shm": "cpu", "gloo": "cpu", "cuda_ipc": "cuda", "nccl": "cuda"}
+_DEFAULT_ADDRESSES = {"shm": "", "gloo": "127.0.0.1:0", "cuda_ipc": "", "nccl": "127.0.0.1:0"}
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in TRANSPORT_KINDS:
+        raise ValueError(f"transport kind must be one of {list(TRANSPORT_KINDS)}, got {kind!r}")
+
+
+def make_sender(
+    kind: str,
+    kv_cache: torch.Tensor,
+    layout: KVLayout,
+    config: TransferConfig | None = None,
+    notify: Notify | None = None,
+) -> KVSender:
+    """A sender reading source blocks from ``kv_cache`` (the prefill engine's pool)."""
+    _check_kind(kind)
+    return _SENDERS[kind](kv_cache, layout, config, notify)  # type: ignore[call-arg]
+
+
+def make_receiver(
+    kind: str,
+    layout: KVLayout,
+    num_blocks: int,
+    address: str | None = None,
+    config: TransferConfig | None = None,
+    notify: Notify | None = None,
+    device: str | None = None,
+) -> KVReceiver:
+    """A receiver that allocates a ``num_blocks`` pool. ``address``: shm / cuda_ipc, the
+    segment name (random if empty); gloo / nccl, "host:port" to serve the store on (port 0
+    picks one). ``device``: "cpu" for shm / gloo, a CUDA device for cuda_ipc / nccl."""
+    _check_kind(kind)
+    return _RECEIVERS[kind](
+        layout, num_blocks,
+        address=_DEFAULT_ADDRESSES[kind] if address is None else address,
+        config=config, notify=notify,
+        device=_DEFAULT_DEVICES[kind] if device is None else device,
+    )

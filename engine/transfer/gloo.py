@@ -1,0 +1,455 @@
+"""The ``gloo`` transport (and, by subclassing, ``nccl``): point-to-point on a pair group.
+
+The receiver hosts a TCPStore on ``host:port`` (port 0 picks one; the endpoint carries
+the real one). Each sender incarnation gets its own 2-rank group (receiver rank 0,
+sender rank 1) built straight from the store under a prefix naming both incarnations,
+so no global ``init_process_group`` is needed and peers start in any order. The sender
+gathers a layer group into staging and sends it while gathering the next; the receiver
+receives into staging and scatters into the leased blocks, or drops the data when the
+lease has ended, so late data never reaches reallocated blocks. Control (hello, verdict,
+job headers) goes through the store; see ``store_protocol``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from engine.errors import (
+    AbortedError,
+    BatonError,
+    DeadlineExceededError,
+    LayoutMismatchError,
+    UnavailableError,
+)
+from engine.kv_layout import KVLayout
+from engine.transfer.base import KVEndpoint, Notify, SendJob, TransferConfig
+from engine.transfer.block_copy import (
+    BlockIndex,
+    KVChecksum,
+    Staging,
+    gather,
+    group_nbytes,
+    group_shape,
+    layer_groups,
+    layers_per_group,
+    scatter,
+    torch_dtype,
+)
+from engine.transfer.lease_receiver import Lease, LeaseReceiver
+from engine.transfer.pair_group import (
+    RECEIVER_RANK,
+    SENDER_RANK,
+    KeySeries,
+    PairGroup,
+    client_store,
+    link_error,
+    local_address_towards,
+    parse_address,
+)
+from engine.transfer.queued_sender import PeerLink, QueuedSender, StopCheck
+from engine.transfer.store_protocol import (
+    FLAG_ABORT,
+    GROUP_HEADER_BYTES,
+    KEY_HELLO_COUNT,
+    KEY_INCARNATION,
+    KEY_LAYOUT,
+    VERDICT_OK,
+    Hello,
+    JobHeader,
+    decode_layout,
+    encode_layout,
+    hello_key,
+    job_key,
+    message_tag,
+    pair_prefix,
+    verdict_key,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Pair:
+    """One sender connection as the receiver sees it."""
+
+    number: int
+    sender: str
+    thread: threading.Thread
+    jobs: KeySeries | None = None  # set by the pair thread once its group exists
+    stopped: bool = False
+
+
+class GlooReceiver(LeaseReceiver):
+    """Decode's pool as a plain tensor, fed by pair groups of the senders that say hello."""
+
+    kind = "gloo"
+    pair_group: PairGroup = PairGroup()
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        num_blocks: int,
+        address: str = "127.0.0.1:0",
+        config: TransferConfig | None = None,
+        notify: Notify | None = None,
+        device: str = "cpu",
+    ) -> None:
+        if torch.device(device).type != self.pair_group.device.type:
+            raise ValueError(f"a {self.kind} receiver keeps its pool on "
+                             f"{self.pair_group.device.type}, got device {device!r}")
+        super().__init__(layout, num_blocks, config, notify)
+        host, port = parse_address(address or "127.0.0.1:0")
+        self._kv = torch.zeros(layout.pool_shape(num_blocks), dtype=torch_dtype(layout),
+                               device=device)
+        timeout = timedelta(seconds=self.config.connect_timeout_s)
+        try:
+            self._store = dist.TCPStore(host, port, None, True, timeout, wait_for_workers=False)
+        except RuntimeError as exc:
+            raise UnavailableError(f"cannot serve the KV store on {host}:{port}: {exc}") from exc
+        self._host = host
+        self._port = self._store.port
+        self._store.set(KEY_LAYOUT, encode_layout(layout))
+        self._store.set(KEY_INCARNATION, self.incarnation)
+        self._endpoint = KVEndpoint(self.kind, f"{host}:{self._port}", self.incarnation,
+                                    layout, num_blocks)
+        self._pairs_lock = threading.Lock()
+        self._pairs: dict[int, _Pair] = {}
+        self._hellos = KeySeries(self._client(), hello_key, 1)
+        self._accept = threading.Thread(target=self._accept_main, daemon=True,
+                                        name=f"baton-transfer-{self.kind}-accept")
+        self._accept.start()
+        self._start_worker()
+        logger.info("%s receiver %s: pool of %d blocks, store at %s", self.kind,
+                    self.incarnation, num_blocks, self._endpoint.address)
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        return self._kv
+
+    @property
+    def endpoint(self) -> KVEndpoint:
+        return self._endpoint
+
+    # -- lease hooks ------------------------------------------------------------------------
+
+    def _writers_idle(self, lease: Lease) -> bool:
+        return not lease.busy
+
+    def _data_ready(self, lease: Lease) -> bool:
+        return lease.arrived
+
+    def _shutdown(self) -> None:
+        self._hellos.interrupt(self._store)
+        self._accept.join()
+        with self._pairs_lock:
+            pairs = list(self._pairs.values())
+        for pair in pairs:
+            self._stop_pair(pair)
+        for pair in pairs:
+            pair.thread.join(self.config.stall_timeout_s)
+            if pair.thread.is_alive():
+                logger.warning("%s receiver %s: pair %d thread did not stop", self.kind,
+                               self.incarnation, pair.number)
+        del self._store  # shuts the store server down
+
+    def _client(self) -> dist.TCPStore:
+        return client_store(self._host, self._port, self.config.connect_timeout_s)
+
+    def _stop_pair(self, pair: _Pair) -> None:
+        with self._pairs_lock:
+            pair.stopped = True
+            jobs = pair.jobs
+        if jobs is not None:
+            jobs.interrupt(self._store)
+
+    # -- accepting senders ------------------------------------------------------------------
+
+    def _accept_main(self) -> None:
+        def skip_abandoned(n: int) -> bool:
+            # A sender that took number n but died before its hello must not block the
+            # ones behind it.
+            return self._store.add(KEY_HELLO_COUNT, 0) > n
+
+        while (raw := self._hellos.take(skip_abandoned)) is not None:
+            self._admit(self._hellos.position - 1, Hello.from_bytes(raw))
+
+    def _admit(self, n: int, hello: Hello) -> None:
+        diff = self.layout.mismatch(hello.layout)
+        if diff is not None:
+            logger.warning("%s receiver %s: refused sender %s, KV layout differs (%s)",
+                           self.kind, self.incarnation, hello.sender_incarnation, diff)
+            self._store.set(verdict_key(n), f"receiver {self.incarnation} refused: KV layout "
+                                            f"differs ({diff})")
+            return
+        with self._pairs_lock:
+            stale = [p for p in self._pairs.values() if p.sender == hello.sender_incarnation]
+            self._pairs = {k: p for k, p in self._pairs.items() if p.thread.is_alive()}
+        for pair in stale:
+            self._stop_pair(pair)  # the sender reconnected: its old pair is dead to it
+        thread = threading.Thread(target=self._pair_main, args=(n, hello.sender_incarnation),
+                                  daemon=True, name=f"baton-transfer-{self.kind}-pair-{n}")
+        with self._pairs_lock:
+            self._pairs[n] = _Pair(n, hello.sender_incarnation, thread)
+        thread.start()
+        self._store.set(verdict_key(n), VERDICT_OK)
+
+    # -- receiving --------------------------------------------------------------------------
+
+    def _pair_main(self, n: int, sender: str) -> None:
+        prefix = pair_prefix(self.incarnation, sender, n)
+        store = self._client()
+        try:
+            pg = self.pair_group.make(store, f"{prefix}/pg", RECEIVER_RANK, self._host,
+                                      self.config.connect_timeout_s)
+        except RuntimeError as exc:
+            logger.warning("%s receiver %s: sender %s never joined pair %d: %s", self.kind,
+                           self.incarnation, sender, n, exc)
+            return
+        logger.info("%s receiver %s: sender %s connected (pair %d)", self.kind,
+                    self.incarnation, sender, n)
+        jobs = KeySeries(store, lambda seq: job_key(prefix, seq), 0)
+        with self._pairs_lock:
+            pair = self._pairs[n]
+            pair.jobs = jobs
+            stopped = pair.stopped
+        if stopped:
+            return
+        staging = (Staging(self.pair_group.device), Staging(self.pair_group.device))
+        try:
+            while (raw := jobs.take()) is not None:
+                header = JobHeader.from_bytes(raw)
+                if header.seq != jobs.position - 1:
+                    raise AbortedError(f"job header seq {header.seq} under key "
+                                       f"{jobs.position - 1}")
+                self._receive(pg, header, staging)
+        except (BatonError, ValueError) as exc:
+            logger.warning("%s receiver %s: pair %d with sender %s closed: %s", self.kind,
+                           self.incarnation, n, sender, exc)
+        except Exception:  # a bug or torch error: the pair is unusable, the receiver lives on
+            logger.exception("%s receiver %s: pair %d with sender %s failed", self.kind,
+                             self.incarnation, n, sender)
+        finally:
+            del pg
+
+    def _receive(self, pg: dist.ProcessGroup, header: JobHeader,
+                 staging: tuple[Staging, Staging]) -> None:
+        rid = header.request_id
+        lease = self._claim(header)
+        n = len(header.block_ids)
+        index = BlockIndex(header.block_ids, self._kv.device)
+        groups = layer_groups(self.layout.num_layers, header.layers_per_group)
+        tag = message_tag(header.seq)
+
+        def post(g: int) -> tuple[torch.Tensor, dist.Work]:
+            lo, hi = groups[g]
+            nbytes = GROUP_HEADER_BYTES + group_nbytes(self.layout, lo, hi, n)
+            message = staging[g % 2].bytes(nbytes)
+            return message, pg.recv([message], SENDER_RANK, tag)
+
+        try:
+            message, work = post(0)
+            for g, (lo, hi) in enumerate(groups):
+                self.pair_group.wait(work, pg, self.config.stall_timeout_s,
+                                     f"request {rid}: receiving layer group {g}")
+                seq, group, flags, _ = self.pair_group.header(message)
+                if seq != header.seq or group != g:
+                    raise AbortedError(f"request {rid}: got message (seq {seq}, group {group}) "
+                                       f"while expecting (seq {header.seq}, group {g})")
+                if flags & FLAG_ABORT:
+                    if lease is not None:
+                        self._end_lease(lease, AbortedError(f"request {rid}: sender aborted"))
+                    return
+                current = message
+                if g + 1 < len(groups):
+                    message, work = post(g + 1)
+                if lease is not None and self._begin_write(lease):
+                    payload = current[GROUP_HEADER_BYTES:].view(self._kv.dtype).view(
+                        group_shape(self.layout, lo, hi, n))
+                    try:
+                        scatter(self._kv, lo, hi, index, payload)
+                    finally:
+                        self._end_write(lease)
+                else:
+                    lease = None  # ended meanwhile: keep draining the wire, write nothing
+        except Exception as exc:
+            if lease is not None:
+                error = exc if isinstance(exc, BatonError) else AbortedError(
+                    f"request {rid}: receive failed: {exc!r}")
+                self._end_lease(lease, error)
+            raise
+        if lease is not None:
+            with self._cond:
+                lease.arrived = True
+                self._cond.notify()
+
+    def _claim(self, header: JobHeader) -> Lease | None:
+        """The lease this data may land in, or None to discard it."""
+        rid = header.request_id
+        with self._cond:
+            lease = self._leases.get(rid)
+            if lease is None or lease.token != header.lease_token:
+                logger.info("request %s: data for an unknown or ended lease, discarding", rid)
+                return None
+            if lease.ending or lease.receiving:
+                logger.info("request %s: data for an ending or filled lease, discarding", rid)
+                return None
+            if header.epoch != lease.epoch or header.block_ids != lease.block_ids:
+                lease.outcome = AbortedError(
+                    f"request {rid}: sender targets epoch {header.epoch} blocks "
+                    f"{header.block_ids}, lease has epoch {lease.epoch} blocks {lease.block_ids}"
+                )
+                self._cond.notify()
+                return None
+            lease.receiving = True
+            return lease
+
+    def _begin_write(self, lease: Lease) -> bool:
+        with self._cond:
+            if lease.ending:
+                return False
+            lease.busy = True
+            return True
+
+    def _end_write(self, lease: Lease) -> None:
+        with self._cond:
+            lease.busy = False
+            self._cond.notify()
+
+
+class GlooLink(PeerLink):
+    """A sender's pair group with one receiver incarnation, plus its store connection."""
+
+    def __init__(self, store: dist.TCPStore, pg: dist.ProcessGroup, prefix: str,
+                 incarnation: str, kv: torch.Tensor, layout: KVLayout, config: TransferConfig,
+                 pair_group: PairGroup) -> None:
+        self.incarnation = incarnation
+        self._store: dist.TCPStore | None = store
+        self._pg: dist.ProcessGroup | None = pg
+        self._prefix = prefix
+        self._kv = kv
+        self._layout = layout
+        self._config = config
+        self._pair_group = pair_group
+        self._seq = 0
+        self._staging = (Staging(pair_group.device), Staging(pair_group.device))
+
+    def send(self, job: SendJob, stop: StopCheck) -> tuple[int, int]:
+        assert self._pg is not None and self._store is not None
+        pg = self._pg
+        desc = job.descriptor
+        n = len(desc.block_ids)
+        per_group = layers_per_group(self._layout, n, self._config.group_bytes)
+        groups = layer_groups(self._layout.num_layers, per_group)
+        header = JobHeader(self._seq, job.request_id, desc.epoch, desc.lease_token, per_group,
+                           desc.block_ids)
+        self._seq += 1
+        src = BlockIndex(job.src_block_ids, self._kv.device)
+        tag = message_tag(header.seq)
+        checksum = KVChecksum()
+        nbytes = 0
+        inflight: deque[dist.Work] = deque()
+        stopped: BatonError | None = None
+
+        def wait_oldest() -> None:
+            remaining = min(self._config.stall_timeout_s, job.deadline - time.monotonic())
+            try:
+                self._pair_group.wait(inflight.popleft(), pg, remaining,
+                                      f"request {job.request_id}: sending")
+            except BatonError:
+                self.broken = True
+                raise
+
+        try:
+            self._store.set(job_key(self._prefix, header.seq), header.to_bytes())
+        except RuntimeError as exc:
+            self.broken = True
+            raise link_error(exc, f"request {job.request_id}: announcing the job") from exc
+        for g, (lo, hi) in enumerate(groups):
+            try:
+                stop(g)
+            except BatonError as exc:
+                stopped = exc
+            if len(inflight) == 2:
+                wait_oldest()  # frees this group's staging buffer
+            size = group_nbytes(self._layout, lo, hi, n)
+            message = self._staging[g % 2].bytes(GROUP_HEADER_BYTES + size)
+            flags = FLAG_ABORT if stopped is not None else 0
+            self._pair_group.set_header(message, [header.seq, g, flags, size])
+            if stopped is None:
+                payload = message[GROUP_HEADER_BYTES:].view(self._kv.dtype).view(
+                    group_shape(self._layout, lo, hi, n))
+                gather(self._kv, lo, hi, src, payload)
+                checksum.update(payload)
+                nbytes += size
+            inflight.append(pg.send([message], RECEIVER_RANK, tag))
+            if stopped is not None:
+                break  # the abort message ends the job on the wire
+        while inflight:
+            wait_oldest()
+        if stopped is not None:
+            raise stopped
+        return checksum.value, nbytes
+
+    def close(self) -> None:
+        self._pg = None
+        self._store = None
+
+
+class GlooSender(QueuedSender):
+    """Sends to receivers anywhere over gloo pair groups."""
+
+    kind = "gloo"
+    pair_group: PairGroup = PairGroup()
+
+    def _connect(self, endpoint: KVEndpoint, deadline: float) -> PeerLink:
+        host, port = parse_address(endpoint.address)
+        budget = min(self.config.connect_timeout_s, deadline - time.monotonic())
+        if budget <= 0:
+            raise DeadlineExceededError(f"no time left to connect to {endpoint.address}")
+        try:
+            store = client_store(host, port, budget)
+        except RuntimeError as exc:
+            raise UnavailableError(f"receiver store at {endpoint.address} unreachable: {exc}") \
+                from exc
+        try:
+            return self._handshake(store, endpoint, host, deadline)
+        except RuntimeError as exc:
+            raise link_error(exc, f"handshake with {endpoint.address}") from exc
+
+    def _handshake(self, store: dist.TCPStore, endpoint: KVEndpoint, host: str,
+                   deadline: float) -> GlooLink:
+        live = store.get(KEY_INCARNATION).decode()
+        if live != endpoint.incarnation:
+            raise UnavailableError(f"{endpoint.address} is receiver {live}, descriptor names "
+                                   f"{endpoint.incarnation} (restarted)")
+        diff = self.layout.mismatch(decode_layout(store.get(KEY_LAYOUT)))
+        if diff is not None:
+            raise LayoutMismatchError(
+                f"receiver {live} at {endpoint.address} has a different KV layout ({diff})"
+            )
+        n = store.add(KEY_HELLO_COUNT, 1)
+        store.set(hello_key(n), Hello(self.incarnation, self.layout).to_bytes())
+        try:
+            store.wait([verdict_key(n)],
+                       timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+        except dist.DistStoreError as exc:
+            raise DeadlineExceededError(f"receiver {live} did not answer hello {n}") from exc
+        verdict = store.get(verdict_key(n)).decode()
+        store.delete_key(verdict_key(n))
+        if verdict != VERDICT_OK:
+            raise LayoutMismatchError(verdict)
+        prefix = pair_prefix(live, self.incarnation, n)
+        pg = self.pair_group.make(store, f"{prefix}/pg", SENDER_RANK,
+                                  local_address_towards(host), self.config.connect_timeout_s)
+        logger.info("%s sender %s: joined receiver %s at %s (pair %d)", self.kind,
+                    self.incarnation, live, endpoint.address, n)
+        return GlooLink(store, pg, prefix, live, self.kv_cache, self.layout, self.config,
+                        self.pair_group)

@@ -1,0 +1,291 @@
+"""The receiver machinery every backend shares: block leases, their deadlines and endings.
+
+A lease lives from ``expect`` to its one completion. Ending it (verified, cancelled,
+expired, closed) is always the same three steps on the worker thread: revoke it so no
+new write can start, wait until no peer is mid-write, then (for a verify) recompute the
+checksum and queue the completion. A backend says how to revoke, how to tell that
+writers are idle and when the data has arrived.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+import uuid
+from abc import abstractmethod
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from engine.errors import (
+    AbortedError,
+    BatonError,
+    CancelledError,
+    DeadlineExceededError,
+    UnavailableError,
+)
+from engine.kv_layout import KVLayout
+from engine.transfer.base import (
+    KVDescriptor,
+    KVEndpoint,
+    KVReceiver,
+    Notify,
+    RecvCompletion,
+    TransferConfig,
+)
+from engine.transfer.block_copy import Staging, checksum_blocks
+
+logger = logging.getLogger(__name__)
+
+_IDLE_WAKE_S = 0.2  # the worker's longest sleep with nothing due
+_DRAIN_POLL_S = 0.001  # how often a revoked lease re-checks for writers still at work
+
+
+@dataclass(slots=True)
+class Lease:
+    """One request's grant on destination blocks. Guarded by the receiver's lock."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    epoch: int
+    deadline: float
+    token: int
+    reported_checksum: int | None = None  # from verify(), awaiting the data
+    outcome: BatonError | None = None  # the ending error, once decided
+    verifying: bool = False  # the ending is a verification
+    revoked_at: float | None = None
+    # Backends that receive actively (gloo) track the data here.
+    receiving: bool = False
+    arrived: bool = False
+    busy: bool = False  # a receive thread is writing the blocks right now
+
+    @property
+    def ending(self) -> bool:
+        return self.outcome is not None or self.verifying
+
+
+class LeaseReceiver(KVReceiver):
+    """Lease bookkeeping and the worker thread; backends allocate the pool and move data."""
+
+    kind = ""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        num_blocks: int,
+        config: TransferConfig | None = None,
+        notify: Notify | None = None,
+    ) -> None:
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        self.incarnation = uuid.uuid4().hex
+        self.layout = layout
+        self.num_blocks = num_blocks
+        self.config = config or TransferConfig()
+        self._notify = notify
+        self._cond = threading.Condition()
+        self._leases: dict[str, Lease] = {}
+        self._held: dict[int, str] = {}  # block id -> request id holding it
+        self._done: deque[RecvCompletion] = deque()
+        self._closing = False
+        self._staging: Staging | None = None  # made on first verify, on the pool's device
+        self._worker: threading.Thread | None = None
+
+    def _start_worker(self) -> None:
+        """Subclasses call this once the pool exists."""
+        self._worker = threading.Thread(
+            target=self._run, name=f"baton-transfer-{self.kind}-receiver", daemon=True
+        )
+        self._worker.start()
+
+    # -- KVReceiver -----------------------------------------------------------------------
+
+    def expect(
+        self, request_id: str, block_ids: tuple[int, ...], epoch: int, deadline: float
+    ) -> KVDescriptor:
+        block_ids = tuple(int(b) for b in block_ids)
+        if not request_id:
+            raise ValueError("request_id must be non-empty")
+        if not block_ids:
+            raise ValueError(f"request {request_id}: block_ids must be non-empty")
+        bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
+        if bad or len(set(block_ids)) != len(block_ids):
+            raise ValueError(f"request {request_id}: block_ids {block_ids} repeat or leave "
+                             f"[0, {self.num_blocks})")
+        lease = Lease(request_id, block_ids, int(epoch), float(deadline),
+                      secrets.randbits(62) + 1)
+        with self._cond:
+            if self._closing:
+                raise UnavailableError(f"request {request_id}: {self.kind} receiver is closed")
+            if request_id in self._leases:
+                raise ValueError(f"request {request_id}: already holds a lease")
+            taken = {b: self._held[b] for b in block_ids if b in self._held}
+            if taken:
+                raise ValueError(f"request {request_id}: blocks already leased: {taken}")
+            self._arm(lease)
+            self._leases[request_id] = lease
+            self._held.update(dict.fromkeys(block_ids, request_id))
+            self._cond.notify()
+        logger.debug("request %s: leased %d blocks, epoch %d", request_id, len(block_ids), epoch)
+        return KVDescriptor(self.endpoint, request_id, block_ids, lease.epoch, lease.token)
+
+    def verify(self, request_id: str, checksum: int, epoch: int) -> None:
+        with self._cond:
+            lease = self._leases.get(request_id)
+            if lease is None or lease.ending or lease.reported_checksum is not None:
+                logger.info("request %s: verify ignored, lease unknown or ending", request_id)
+                return
+            if epoch != lease.epoch:
+                lease.outcome = AbortedError(
+                    f"request {request_id}: epoch {epoch} reported, lease has {lease.epoch}"
+                )
+            else:
+                lease.reported_checksum = int(checksum)
+            self._cond.notify()
+
+    def poll(self) -> list[RecvCompletion]:
+        with self._cond:
+            out = list(self._done)
+            self._done.clear()
+        return out
+
+    def cancel(self, request_id: str) -> None:
+        self._end(request_id, CancelledError(f"request {request_id}: cancelled"))
+
+    def close(self) -> None:
+        with self._cond:
+            if self._closing:
+                return
+            self._closing = True
+            for lease in self._leases.values():
+                if not lease.ending:
+                    lease.outcome = UnavailableError(
+                        f"request {lease.request_id}: {self.kind} receiver closed"
+                    )
+            self._cond.notify_all()
+        if self._worker is not None:
+            self._worker.join()
+        self._shutdown()
+
+    # -- backend hooks --------------------------------------------------------------------
+
+    @property
+    @abstractmethod
+    def kv_cache(self) -> torch.Tensor: ...
+
+    @property
+    @abstractmethod
+    def endpoint(self) -> KVEndpoint: ...
+
+    def _arm(self, lease: Lease) -> None:
+        """Make the new lease writable by its sender. Called under the lock."""
+
+    def _revoke(self, lease: Lease) -> None:
+        """Stop any new write to the lease's blocks. Called under the lock, once."""
+
+    @abstractmethod
+    def _writers_idle(self, lease: Lease) -> bool:
+        """True when no peer is writing the revoked lease's blocks. Called under the lock."""
+
+    @abstractmethod
+    def _data_ready(self, lease: Lease) -> bool:
+        """True when all the lease's data has landed. Called under the lock."""
+
+    def _shutdown(self) -> None:
+        """Release backend resources after every lease ended and the worker stopped."""
+
+    # -- shared by backends -----------------------------------------------------------------
+
+    def _end(self, request_id: str, error: BatonError) -> None:
+        """Decide that ``request_id``'s lease ends with ``error`` (first decision wins)."""
+        with self._cond:
+            lease = self._leases.get(request_id)
+            if lease is None or lease.ending:
+                return
+            lease.outcome = error
+            self._cond.notify()
+
+    def _end_lease(self, lease: Lease, error: BatonError) -> None:
+        """Like ``_end`` for this very lease (not a newer one of the same request)."""
+        with self._cond:
+            if self._leases.get(lease.request_id) is not lease or lease.ending:
+                return
+            lease.outcome = error
+            self._cond.notify()
+
+    # -- worker -----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                finished, timeout = self._sweep()
+                if not finished:
+                    if self._closing and not self._leases:
+                        return
+                    self._cond.wait(timeout)
+                    continue
+            for lease in finished:
+                self._finish(lease)
+
+    def _sweep(self) -> tuple[list[Lease], float]:
+        """Advance every lease; return the ones ready to complete and how long to sleep."""
+        now = time.monotonic()
+        timeout = _IDLE_WAKE_S
+        finished: list[Lease] = []
+        for lease in list(self._leases.values()):
+            if not lease.ending:
+                if lease.reported_checksum is not None and self._data_ready(lease):
+                    lease.verifying = True
+                elif now >= lease.deadline:
+                    lease.outcome = DeadlineExceededError(
+                        f"request {lease.request_id}: KV did not arrive and verify by its deadline"
+                    )
+                else:
+                    timeout = min(timeout, lease.deadline - now)
+                    continue
+            if lease.revoked_at is None:
+                self._revoke(lease)
+                lease.revoked_at = now
+            if self._writers_idle(lease):
+                finished.append(lease)
+            elif now - lease.revoked_at > self.config.drain_timeout_s:
+                logger.error("request %s: a peer still marks its blocks busy after %.1f s; "
+                             "assuming it died mid-write", lease.request_id,
+                             self.config.drain_timeout_s)
+                finished.append(lease)
+            else:
+                timeout = min(timeout, _DRAIN_POLL_S)
+        for lease in finished:
+            del self._leases[lease.request_id]
+        return finished, max(timeout, 0.0)
+
+    def _finish(self, lease: Lease) -> None:
+        error = lease.outcome
+        if error is None:
+            error = self._check(lease)
+        with self._cond:
+            for block in lease.block_ids:
+                self._held.pop(block, None)
+            self._done.append(RecvCompletion(lease.request_id, lease.epoch, error))
+        if error is None:
+            logger.debug("request %s: KV verified", lease.request_id)
+        else:
+            logger.info("request %s: lease ended: %s", lease.request_id, error)
+        if self._notify is not None:
+            self._notify()
+
+    def _check(self, lease: Lease) -> BatonError | None:
+        assert lease.reported_checksum is not None
+        if self._staging is None:
+            self._staging = Staging(self.kv_cache.device)
+        actual = checksum_blocks(self.kv_cache, self.layout, lease.block_ids,
+                                 self.config.group_bytes, self._staging)
+        if actual != lease.reported_checksum:
+            return AbortedError(
+                f"request {lease.request_id}: checksum mismatch, prefill reported "
+                f"{lease.reported_checksum:#x}, blocks hold {actual:#x}"
+            )
+        return None

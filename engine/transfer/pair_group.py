@@ -1,0 +1,140 @@
+"""The plumbing of a 2-rank process group between one sender and one receiver.
+
+How the pair group is built and waited on (``PairGroup``; nccl subclasses it), how the
+receiver's TCPStore is reached, and ``KeySeries``, the store wait that idles for free
+and can be interrupted. No lease or job logic lives here.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from engine.errors import BatonError, DeadlineExceededError, UnavailableError
+from engine.transfer.store_protocol import GROUP_HEADER_BYTES
+
+# An idle key wait sleeps this long before it re-checks for an abandoned hello; it is
+# woken at once by the key it waits for or by ``KeySeries.interrupt``.
+_IDLE_WAIT = timedelta(minutes=5)
+_SENTINEL = b"\x00baton-stop"
+RECEIVER_RANK, SENDER_RANK = 0, 1
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"address must be 'host:port', got {address!r}")
+    return host, int(port)
+
+
+def local_address_towards(host: str) -> str:
+    """The local IP that routes to ``host`` (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, 9))
+        return probe.getsockname()[0]
+
+
+def client_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    return dist.TCPStore(host, port, None, False, timedelta(seconds=timeout_s))
+
+
+def link_error(exc: Exception, what: str) -> BatonError:
+    """Map a process-group failure to the typed error it means."""
+    if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+        return DeadlineExceededError(f"{what}: timed out ({exc})")
+    return UnavailableError(f"{what}: peer lost ({exc})")
+
+
+class PairGroup:
+    """How a backend builds a pair group and waits on it: gloo here, nccl overrides it.
+
+    Stateless apart from its device; every method runs on the one thread that owns the
+    group (a receiver's pair thread or a sender's worker).
+    """
+
+    device = torch.device("cpu")  # where staging buffers and the pool live
+
+    def make(self, store: dist.Store, prefix: str, rank: int, hostname: str,
+             timeout_s: float) -> dist.ProcessGroup:
+        """Build this side of the group under ``prefix``. Blocks until the other rank
+        joins; raises ``RuntimeError`` after ``timeout_s``. ``hostname``: the local
+        address the peer can reach us on."""
+        options = dist.ProcessGroupGloo._Options()
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=hostname)]
+        options._timeout = timedelta(seconds=timeout_s)
+        return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, 2, options)
+
+    def wait(self, work: dist.Work, pg: dist.ProcessGroup, timeout_s: float, what: str) -> None:
+        """Block until ``work`` is done. Raises ``DeadlineExceededError`` after ``timeout_s``
+        or ``UnavailableError`` if the peer is lost; either way the group is broken (gloo
+        closes the pair on a timeout) and must be dropped."""
+        try:
+            work.wait(timedelta(seconds=max(timeout_s, 0.001)))
+        except RuntimeError as exc:
+            raise link_error(exc, what) from exc
+
+    def header(self, message: torch.Tensor) -> list[int]:
+        """The in-band group header of a received message (host values)."""
+        return message[:GROUP_HEADER_BYTES].view(torch.int64).tolist()
+
+    def set_header(self, message: torch.Tensor, values: list[int]) -> None:
+        """Write the in-band group header into a message about to be sent."""
+        words = torch.tensor(values, dtype=torch.int64).view(torch.uint8)
+        message[:GROUP_HEADER_BYTES].copy_(words)
+
+
+class KeySeries:
+    """Hands out the values of keys ``key_of(n)``, ``key_of(n + 1)``, ... as they appear.
+
+    ``take`` blocks in one long store wait, so an idle series costs nothing; ``interrupt``
+    wakes it for good by writing a sentinel under the key it waits on.
+    """
+
+    def __init__(self, store: dist.TCPStore, key_of: Callable[[int], str], first: int) -> None:
+        self._store = store  # this series' own connection: a store wait holds it
+        self._key_of = key_of
+        self._next = first
+        self._lock = threading.Lock()
+        self._stopped = False
+
+    @property
+    def position(self) -> int:
+        return self._next
+
+    def take(self, on_idle: Callable[[int], bool] | None = None) -> bytes | None:
+        """The next value (its key is deleted), or None once interrupted. ``on_idle(n)``
+        runs after each long wait that saw nothing; returning True skips key n."""
+        while True:
+            with self._lock:
+                if self._stopped:
+                    return None
+                key = self._key_of(self._next)
+            try:
+                self._store.wait([key], _IDLE_WAIT)
+            except dist.DistStoreError:
+                if on_idle is not None and on_idle(self._next):
+                    with self._lock:
+                        self._next += 1
+                continue
+            raw = self._store.get(key)
+            self._store.delete_key(key)
+            with self._lock:
+                self._next += 1
+                if raw == _SENTINEL or self._stopped:
+                    return None
+            return raw
+
+    def interrupt(self, store: dist.TCPStore) -> None:
+        """Make ``take`` return None; ``store`` is any connection but this series' own."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            store.set(self._key_of(self._next), _SENTINEL)
+
+

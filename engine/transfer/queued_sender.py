@@ -1,0 +1,272 @@
+"""The sender machinery every backend shares: job queue, worker thread, cancel, peer cache.
+
+A backend supplies only ``_connect`` (open a ``PeerLink`` to one receiver incarnation)
+and the link's ``send``. Links are created, used and closed on the worker thread alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+from engine.errors import (
+    AbortedError,
+    BatonError,
+    CancelledError,
+    DeadlineExceededError,
+    LayoutMismatchError,
+    UnavailableError,
+)
+from engine.kv_layout import BLOCK_DIM, KVLayout
+from engine.transfer.base import (
+    KVEndpoint,
+    KVSender,
+    Notify,
+    SendCompletion,
+    SendJob,
+    TransferConfig,
+)
+from engine.transfer.block_copy import torch_dtype
+
+logger = logging.getLogger(__name__)
+
+# Called before layer group ``g`` (or -1 before connecting); raises a BatonError to stop.
+StopCheck = Callable[[int], None]
+
+
+class PeerLink(ABC):
+    """A sender's connection to one receiver incarnation. Used by one thread only."""
+
+    incarnation: str
+    broken: bool = False  # set when the link must not be reused (the next job reconnects)
+
+    @abstractmethod
+    def send(self, job: SendJob, stop: StopCheck) -> tuple[int, int]:
+        """Copy the job's blocks; return ``(checksum, bytes sent)``. Calls ``stop(g)``
+        before each layer group and lets its error propagate (after keeping the wire
+        consistent). Raises typed ``BatonError``s; blocks for at most the job deadline
+        plus one stall timeout."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the mapping / process group. Idempotent; never raises."""
+
+
+class QueuedSender(KVSender):
+    """Runs ``SendJob``s in order on one worker thread and reports ``SendCompletion``s."""
+
+    kind = ""
+
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        layout: KVLayout,
+        config: TransferConfig | None = None,
+        notify: Notify | None = None,
+    ) -> None:
+        num_blocks = int(kv_cache.shape[BLOCK_DIM]) if kv_cache.dim() == 6 else 0
+        expected = layout.pool_shape(num_blocks) if num_blocks else None
+        if expected is None or tuple(kv_cache.shape) != expected:
+            raise ValueError(
+                f"kv_cache shape {tuple(kv_cache.shape)} does not match layout {layout}"
+            )
+        if not kv_cache.is_contiguous():
+            raise ValueError("kv_cache must be contiguous (one tensor over the whole pool)")
+        if kv_cache.dtype != torch_dtype(layout):
+            raise ValueError(
+                f"kv_cache dtype {kv_cache.dtype} does not match layout dtype {layout.dtype}"
+            )
+        self.incarnation = uuid.uuid4().hex
+        self.kv_cache = kv_cache
+        self.layout = layout
+        self.num_blocks = num_blocks
+        self.config = config or TransferConfig()
+        self._notify = notify
+        self._cond = threading.Condition()
+        self._queue: deque[SendJob] = deque()
+        self._current: SendJob | None = None
+        self._stop_reason: BatonError | None = None
+        self._closing = False
+        self._done: deque[SendCompletion] = deque()
+        self._links: dict[str, PeerLink] = {}
+        # Test seam: called on the worker before each layer group as (request_id, group).
+        self._on_group: Callable[[str, int], None] | None = None
+        self._worker = threading.Thread(
+            target=self._run, name=f"baton-transfer-{self.kind}-sender", daemon=True
+        )
+        self._worker.start()
+
+    # -- KVSender -------------------------------------------------------------------------
+
+    def submit(self, job: SendJob) -> None:
+        self._validate(job)
+        with self._cond:
+            if self._closing:
+                raise UnavailableError(f"request {job.request_id}: {self.kind} sender is closed")
+            self._queue.append(job)
+            self._cond.notify()
+        logger.debug("request %s: queued %d blocks for %s", job.request_id,
+                     len(job.src_block_ids), job.descriptor.endpoint.address)
+
+    def poll(self) -> list[SendCompletion]:
+        with self._cond:
+            out = list(self._done)
+            self._done.clear()
+        return out
+
+    def cancel(self, request_id: str) -> None:
+        with self._cond:
+            dropped = [job for job in self._queue if job.request_id == request_id]
+            for job in dropped:
+                self._queue.remove(job)
+            if self._current is not None and self._current.request_id == request_id:
+                self._stop_reason = CancelledError(f"request {request_id}: transfer cancelled")
+        for job in dropped:
+            logger.info("request %s: queued transfer cancelled", request_id)
+            self._complete(_failed(job, CancelledError(f"request {request_id}: cancelled")))
+
+    def close(self) -> None:
+        with self._cond:
+            if self._closing:
+                pending: list[SendJob] = []
+            else:
+                self._closing = True
+                pending = list(self._queue)
+                self._queue.clear()
+                if self._current is not None:
+                    self._stop_reason = UnavailableError(
+                        f"request {self._current.request_id}: {self.kind} sender closed"
+                    )
+                self._cond.notify_all()
+        for job in pending:
+            error = UnavailableError(f"request {job.request_id}: {self.kind} sender closed")
+            self._complete(_failed(job, error))
+        if threading.current_thread() is not self._worker:
+            self._worker.join()
+
+    # -- backend hook -----------------------------------------------------------------------
+
+    @abstractmethod
+    def _connect(self, endpoint: KVEndpoint, deadline: float) -> PeerLink:
+        """Open a link to ``endpoint``'s receiver incarnation, checking its live layout and
+        incarnation. Raises ``UnavailableError``, ``DeadlineExceededError`` or
+        ``LayoutMismatchError``. Runs on the worker thread."""
+
+    # -- worker -----------------------------------------------------------------------------
+
+    def _validate(self, job: SendJob) -> None:
+        desc = job.descriptor
+        endpoint = desc.endpoint
+        if endpoint.kind != self.kind:
+            raise ValueError(f"descriptor kind {endpoint.kind!r} sent to a {self.kind!r} sender")
+        if job.request_id != desc.request_id:
+            raise ValueError(
+                f"job request id {job.request_id!r} != descriptor request id {desc.request_id!r}"
+            )
+        if not job.src_block_ids or len(job.src_block_ids) != len(desc.block_ids):
+            raise ValueError(
+                f"request {job.request_id}: {len(job.src_block_ids)} source blocks for "
+                f"{len(desc.block_ids)} destination blocks (must be equal and non-zero)"
+            )
+        bad_src = [b for b in job.src_block_ids if not 0 <= b < self.num_blocks]
+        if bad_src:
+            raise ValueError(f"request {job.request_id}: source blocks {bad_src} outside "
+                             f"[0, {self.num_blocks})")
+        bad_dst = [b for b in desc.block_ids if not 0 <= b < endpoint.num_blocks]
+        if bad_dst or len(set(desc.block_ids)) != len(desc.block_ids):
+            raise ValueError(f"request {job.request_id}: destination blocks {desc.block_ids} "
+                             f"repeat or leave [0, {endpoint.num_blocks})")
+        diff = self.layout.mismatch(endpoint.layout)
+        if diff is not None:
+            raise LayoutMismatchError(
+                f"request {job.request_id}: receiver {endpoint.address} KV layout differs "
+                f"from ours ({diff})"
+            )
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closing:
+                    self._cond.wait()
+                if not self._queue:
+                    break
+                job = self._queue.popleft()
+                self._current = job
+                self._stop_reason = None
+            completion = self._execute(job)
+            with self._cond:
+                self._current = None
+            self._complete(completion)
+        for link in self._links.values():
+            link.close()
+        self._links.clear()
+
+    def _execute(self, job: SendJob) -> SendCompletion:
+        endpoint = job.descriptor.endpoint
+        start = time.monotonic()
+        link: PeerLink | None = None
+        try:
+            self._check_stop(job, -1)
+            link = self._link_for(endpoint, job.deadline)
+            checksum, nbytes = link.send(job, lambda group: self._check_stop(job, group))
+        except BatonError as exc:
+            logger.warning("request %s: transfer to %s failed: %s", job.request_id,
+                           endpoint.address, exc)
+            return _failed(job, exc)
+        except Exception as exc:  # a backend bug or torch error: report it typed, keep serving
+            logger.exception("request %s: transfer to %s crashed", job.request_id,
+                             endpoint.address)
+            if link is not None:
+                link.broken = True
+            return _failed(job, AbortedError(f"request {job.request_id}: transfer failed: {exc!r}"))
+        finally:
+            if link is not None and link.broken:
+                self._drop(endpoint.address)
+        seconds = time.monotonic() - start
+        logger.debug("request %s: sent %d bytes to %s in %.3f s", job.request_id, nbytes,
+                     endpoint.address, seconds)
+        return SendCompletion(job.request_id, job.descriptor.epoch, checksum, nbytes)
+
+    def _link_for(self, endpoint: KVEndpoint, deadline: float) -> PeerLink:
+        link = self._links.get(endpoint.address)
+        if link is not None and link.incarnation != endpoint.incarnation:
+            logger.info("receiver at %s is now incarnation %s (was %s); dropping cached state",
+                        endpoint.address, endpoint.incarnation, link.incarnation)
+            self._drop(endpoint.address)
+            link = None
+        if link is None:
+            link = self._connect(endpoint, deadline)
+            self._links[endpoint.address] = link
+        return link
+
+    def _drop(self, address: str) -> None:
+        link = self._links.pop(address, None)
+        if link is not None:
+            link.close()
+
+    def _check_stop(self, job: SendJob, group: int) -> None:
+        if self._on_group is not None:
+            self._on_group(job.request_id, group)
+        with self._cond:
+            reason = self._stop_reason
+        if reason is not None:
+            raise reason
+        if time.monotonic() > job.deadline:
+            raise DeadlineExceededError(f"request {job.request_id}: send deadline passed")
+
+    def _complete(self, completion: SendCompletion) -> None:
+        with self._cond:
+            self._done.append(completion)
+        if self._notify is not None:
+            self._notify()
+
+
+def _failed(job: SendJob, error: BatonError) -> SendCompletion:
+    return SendCompletion(job.request_id, job.descriptor.epoch, None, 0, error)

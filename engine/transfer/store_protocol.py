@@ -1,0 +1,108 @@
+"""The control messages of the process-group transports (gloo, nccl), and their store keys.
+
+Control travels through the receiver's TCPStore, data through a 2-rank process group.
+A sender says hello (its incarnation and layout); the receiver answers with a verdict
+and both build a pair group under a prefix naming both incarnations and the hello
+number. Each job is announced by a ``JobHeader`` under ``job/<seq>``; its layer groups
+follow on the group, each message prefixed by ``GROUP_HEADER_BYTES`` (seq, group index,
+flags, payload bytes) so that a message can never be taken for another job's.
+Torch-free; fixed binary encodings, never pickles.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+from engine.kv_layout import DTYPE_SIZES, KVLayout
+
+KEY_INCARNATION = "baton/incarnation"
+KEY_LAYOUT = "baton/layout"
+KEY_HELLO_COUNT = "baton/hello_count"
+VERDICT_OK = "ok"
+GROUP_HEADER_WORDS = 4  # int64: seq, group, flags, payload bytes
+GROUP_HEADER_BYTES = 8 * GROUP_HEADER_WORDS
+FLAG_ABORT = 1  # the sender stopped this job; the payload is meaningless and no group follows
+
+_JOB_FIXED = struct.Struct("<qqqqI")  # seq, epoch, lease token, layers per group, n blocks
+
+
+def hello_key(n: int) -> str:
+    return f"baton/hello/{n}"
+
+
+def verdict_key(n: int) -> str:
+    return f"baton/verdict/{n}"
+
+
+def pair_prefix(receiver_incarnation: str, sender_incarnation: str, n: int) -> str:
+    return f"baton/pair/{receiver_incarnation}/{sender_incarnation}/{n}"
+
+
+def job_key(prefix: str, seq: int) -> str:
+    return f"{prefix}/job/{seq}"
+
+
+def message_tag(seq: int) -> int:
+    return seq & 0x7FFFFFFF
+
+
+def encode_layout(layout: KVLayout) -> bytes:
+    return (f"{layout.num_layers},{layout.block_size},{layout.num_kv_heads},"
+            f"{layout.head_dim},{layout.dtype}").encode()
+
+
+def decode_layout(raw: bytes) -> KVLayout:
+    parts = raw.decode().split(",")
+    if len(parts) != 5 or parts[4] not in DTYPE_SIZES:
+        raise ValueError(f"malformed KV layout record {raw!r}")
+    return KVLayout(int(parts[0]), int(parts[1]), int(parts[2]), int(parts[3]), parts[4])
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """A sender introducing itself to a receiver."""
+
+    sender_incarnation: str
+    layout: KVLayout
+
+    def to_bytes(self) -> bytes:
+        return self.sender_incarnation.encode() + b"|" + encode_layout(self.layout)
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> Hello:
+        incarnation, sep, layout = raw.partition(b"|")
+        if not sep:
+            raise ValueError(f"malformed hello {raw!r}")
+        return cls(incarnation.decode(), decode_layout(layout))
+
+
+@dataclass(frozen=True, slots=True)
+class JobHeader:
+    """Announces one transfer on a pair: what it is for and how it is cut into messages."""
+
+    seq: int
+    request_id: str
+    epoch: int
+    lease_token: int
+    layers_per_group: int
+    block_ids: tuple[int, ...]  # destination blocks
+
+    def to_bytes(self) -> bytes:
+        fixed = _JOB_FIXED.pack(self.seq, self.epoch, self.lease_token, self.layers_per_group,
+                                len(self.block_ids))
+        blocks = struct.pack(f"<{len(self.block_ids)}q", *self.block_ids)
+        return fixed + blocks + self.request_id.encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> JobHeader:
+        if len(raw) < _JOB_FIXED.size:
+            raise ValueError(f"job header of {len(raw)} bytes is too short")
+        seq, epoch, token, per_group, n = _JOB_FIXED.unpack_from(raw)
+        if per_group < 1 or n < 1:
+            raise ValueError(f"job header with {per_group} layers per group, {n} blocks")
+        end = _JOB_FIXED.size + 8 * n
+        if len(raw) < end:
+            raise ValueError(f"job header of {len(raw)} bytes too short for {n} blocks")
+        blocks = struct.unpack_from(f"<{n}q", raw, _JOB_FIXED.size)
+        return cls(seq, raw[end:].decode(), epoch, token, per_group, tuple(blocks))
