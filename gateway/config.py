@@ -1,0 +1,135 @@
+"""The gateway's configuration: built once in ``__main__`` from flags and ``BATON_GATEWAY_*``.
+
+Every flag has an environment twin (``--max-retries`` <-> ``BATON_GATEWAY_MAX_RETRIES``);
+a flag given on the command line wins. Lists (``--decode``, ``--prefill``) repeat the flag
+or, in the environment, separate addresses with commas.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ENV_PREFIX = "BATON_GATEWAY_"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    """Everything the gateway needs to start. Frozen: nothing changes it after start-up."""
+
+    decode: tuple[str, ...]  # decode worker addresses, host:port
+    prefill: tuple[str, ...] = ()  # prefill worker addresses; empty: single-process mode
+    model: str = "smollm2-135m"  # bundled name, .gguf path or checkpoint directory
+    model_cache_dir: Path | None = None  # where workers cache converted GGUFs
+    max_model_len: int = 0  # 0: the model's max_position_embeddings
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0: any free port
+    port_file: Path | None = None  # the bound port is written here
+    max_retries: int = 2  # extra attempts for a request that failed before its first token
+    grace_s: float = 30.0  # drain time for in-flight requests on SIGTERM
+    stats_interval_s: float = 0.25  # how often every worker's Stats is polled
+    stats_timeout_s: float = 1.0  # deadline of one Stats call
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if not self.decode:
+            raise ValueError("decode must list at least one decode worker address (host:port)")
+        for name in ("decode", "prefill"):
+            for address in getattr(self, name):
+                host, sep, port = address.rpartition(":")
+                if not sep or not host or not port.isdigit():
+                    raise ValueError(f"{name} address must be host:port, got {address!r}")
+        if not self.model:
+            raise ValueError("model must name a model")
+        if self.max_model_len < 0:
+            raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65536), got {self.port}")
+        if self.max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
+        if self.grace_s < 0:
+            raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+        for name in ("stats_interval_s", "stats_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
+
+    @classmethod
+    def from_args(cls, argv: Sequence[str], env: Mapping[str, str]) -> GatewayConfig:
+        """Parse ``argv`` (without the program name) over ``env``; ValueError for bad values
+        (``SystemExit`` from argparse for malformed flags)."""
+        args = _parser().parse_args(list(argv))
+        values: dict[str, Any] = {}
+        for name, convert in _FIELDS.items():
+            flag_value = getattr(args, name)
+            if isinstance(flag_value, list):  # a repeated flag: join, then split on commas
+                flag_value = ",".join(flag_value)
+            if flag_value is not None:
+                source, raw = "--" + name.replace("_", "-"), flag_value
+            else:
+                source, raw = ENV_PREFIX + name.upper(), env.get(ENV_PREFIX + name.upper())
+                if raw is None or not raw.strip():
+                    continue
+            try:
+                values[name] = convert(raw.strip())
+            except ValueError as err:
+                raise ValueError(f"{source}={raw!r} is not valid: {err}") from err
+        if not values.get("decode"):
+            raise ValueError(
+                f"decode worker addresses are required: --decode HOST:PORT or {ENV_PREFIX}DECODE"
+            )
+        return cls(**values)
+
+
+def _addresses(raw: str) -> tuple[str, ...]:
+    return tuple(a.strip() for a in raw.split(",") if a.strip())
+
+
+# Field -> how to convert its text form (env values, and flags argparse leaves as text).
+_FIELDS: dict[str, Callable[[str], Any]] = {
+    "decode": _addresses,
+    "prefill": _addresses,
+    "model": str,
+    "model_cache_dir": Path,
+    "max_model_len": int,
+    "host": str,
+    "port": int,
+    "port_file": Path,
+    "max_retries": int,
+    "grace_s": float,
+    "stats_interval_s": float,
+    "stats_timeout_s": float,
+    "log_level": str.upper,
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m gateway",
+        description="baton gateway: the public Baton gRPC service in front of decode and "
+        f"prefill workers. Every flag can also be set as {ENV_PREFIX}<FLAG> (e.g. "
+        f"{ENV_PREFIX}MAX_RETRIES); a flag on the command line wins.",
+    )
+    p.add_argument("--host", help="interface to listen on (default 127.0.0.1)")
+    p.add_argument("--port", help="port to listen on; 0 picks a free one (default 50051)")
+    p.add_argument("--port-file", help="write the bound port to this file")
+    p.add_argument("--model", help="bundled model name, .gguf file or checkpoint directory")
+    p.add_argument("--model-cache-dir", help="where workers keep converted GGUF checkpoints")
+    p.add_argument("--max-model-len", help="prompt + output token limit; 0: the model's own")
+    p.add_argument("--decode", action="append", help="decode worker host:port (repeat for several)")
+    p.add_argument(
+        "--prefill",
+        action="append",
+        help="prefill worker host:port (repeat); none: decode workers run prompts themselves",
+    )
+    p.add_argument("--max-retries", help="retries before the first token (default 2)")
+    p.add_argument("--grace-s", help="seconds in-flight requests may drain on SIGTERM")
+    p.add_argument("--stats-interval-s", help="seconds between worker Stats polls (0.25)")
+    p.add_argument("--stats-timeout-s", help="deadline of one Stats call, seconds (1.0)")
+    p.add_argument("--log-level", help=f"one of {', '.join(LOG_LEVELS)} (default INFO)")
+    return p

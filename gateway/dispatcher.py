@@ -1,0 +1,155 @@
+"""One request's ``Decode`` call, with retries before its first token.
+
+The dispatcher picks a route, opens ``DecodeWorker.Decode`` with what is left of the
+client's deadline, and yields the decode worker's outputs. An attempt that fails with
+UNAVAILABLE or ABORTED *before any token arrived* is retried, up to ``max_retries`` times:
+on another prefill worker when there is one, and on another decode worker when a fresh
+``Stats`` shows the failed one is down. Once a token has reached the caller a failure is
+final, and surfaces with the same status code. Other codes (INVALID_ARGUMENT,
+RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED, ...) pass through at once, with the worker's message.
+
+Closing the stream (the caller saw a stop string, or went away) cancels the ``Decode``
+call, which makes decode abort the request and free its blocks, and prefill's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass
+
+import grpc
+import grpc.aio
+
+from engine.errors import AbortedError, DeadlineExceededError, UnavailableError
+from engine.request import RequestOutput
+from engine.sampling_params import SamplingParams
+from gateway.router import Route, Router, WorkerKind
+from protos.baton.v1 import worker_pb2, worker_pb2_grpc
+from rpc.channels import ChannelCache
+from rpc.convert import output_from_decode_response, sampling_params_to_proto
+from rpc.errors import error_from_rpc
+
+logger = logging.getLogger(__name__)
+
+# How long to wait for a finished call's status before cancelling it anyway.
+_STATUS_WAIT_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeJob:
+    """What the gateway asks decode to generate."""
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    params: SamplingParams
+
+
+class Dispatcher:
+    """Runs :class:`DecodeJob`s on the workers the router picks. One per gateway."""
+
+    def __init__(self, router: Router, channels: ChannelCache, *, max_retries: int) -> None:
+        if max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+        self._router = router
+        self._channels = channels
+        self._max_attempts = 1 + max_retries
+
+    async def stream(
+        self, job: DecodeJob, *, timeout: float | None
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """The decode outputs of ``job``, the last one finished.
+
+        ``timeout`` (seconds; None: no deadline) bounds every attempt together. Raises the
+        typed error of the last failure (UnavailableError, AbortedError, ValueError, ...).
+        """
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        request = worker_pb2.DecodeRequest(
+            request_id=job.request_id,
+            prompt_token_ids=job.prompt_token_ids,
+            sampling_params=sampling_params_to_proto(job.params),
+        )
+        failed_prefill: list[str] = []
+        for attempt in range(1, self._max_attempts + 1):
+            route = self._router.pick(len(job.prompt_token_ids), avoid_prefill=failed_prefill)
+            remaining = None if deadline is None else deadline - loop.time()
+            if remaining is not None and remaining <= 0:
+                raise DeadlineExceededError(
+                    f"request {job.request_id}: deadline passed after {attempt - 1} attempt(s)"
+                )
+            request.prefill_address = route.prefill
+            started = False
+            try:
+                async with contextlib.aclosing(self._attempt(route, request, remaining)) as outs:
+                    async for out in outs:
+                        started = started or bool(out.new_token_ids) or out.finished
+                        yield out
+                return
+            except (UnavailableError, AbortedError) as exc:
+                if started or attempt == self._max_attempts:
+                    raise
+                logger.warning(
+                    "request %s: attempt %d/%d on decode %s prefill %s failed before its "
+                    "first token (%s: %s); retrying",
+                    job.request_id,
+                    attempt,
+                    self._max_attempts,
+                    route.decode,
+                    route.prefill or "-",
+                    type(exc).__name__,
+                    exc,
+                )
+                if route.prefill:
+                    failed_prefill.append(route.prefill)
+                await self._probe(route)
+
+    async def _attempt(
+        self, route: Route, request: worker_pb2.DecodeRequest, timeout: float | None
+    ) -> AsyncGenerator[RequestOutput, None]:
+        rid = request.request_id
+        stub = worker_pb2_grpc.DecodeWorkerStub(self._channels.get(route.decode))
+        call = stub.Decode(request, timeout=timeout)
+        logger.debug("request %s: Decode on %s (prefill %s)", rid, route.decode, route.prefill)
+        try:
+            while True:
+                try:
+                    msg = await call.read()
+                except grpc.aio.AioRpcError as err:
+                    logger.info(
+                        "request %s: Decode on %s failed: %s: %s",
+                        rid,
+                        route.decode,
+                        err.code().name,
+                        err.details(),
+                    )
+                    raise error_from_rpc(err) from err
+                if msg is grpc.aio.EOF:
+                    raise AbortedError(
+                        f"request {rid}: the decode stream ended without a finish reason"
+                    )
+                try:
+                    out = output_from_decode_response(rid, msg)
+                except ValueError as exc:  # the worker broke the protocol, not the client
+                    raise AbortedError(f"request {rid}: malformed DecodeResponse: {exc}") from exc
+                if out.finished:
+                    # Let the call end on its own, so decode sees a finished request, not a
+                    # cancelled one.
+                    with contextlib.suppress(TimeoutError, grpc.RpcError):
+                        await asyncio.wait_for(call.code(), _STATUS_WAIT_S)
+                yield out
+                if out.finished:
+                    return
+        finally:
+            if call.cancel():
+                logger.info("request %s: cancelled the Decode call on %s", rid, route.decode)
+
+    async def _probe(self, route: Route) -> None:
+        """Refresh the health of the workers a failed attempt used, so the retry avoids
+        the ones that are down."""
+        probes = [self._router.probe(route.decode, WorkerKind.DECODE)]
+        if route.prefill:
+            probes.append(self._router.probe(route.prefill, WorkerKind.PREFILL))
+        await asyncio.gather(*probes)
