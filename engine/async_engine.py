@@ -23,7 +23,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine.engine_core import EngineCore, EngineStats
+from engine.engine_core import EngineCore
+from engine.stats import EngineStats
 from engine.errors import UnavailableError
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -158,6 +159,12 @@ class AsyncEngine:
                 self._publish([out])
 
         self._submit(run)
+
+    def discard(self, request_id: str) -> None:
+        """Abort ``request_id`` and drop its output stream, whether or not it was ever
+        iterated. For callers that will not read the stream again. Idempotent."""
+        self._streams.pop(request_id, None)
+        self.abort(request_id)
 
     def release_held(self, request_id: str) -> None:
         """Free the blocks a finished ``hold_kv`` request kept. Non-blocking, idempotent."""

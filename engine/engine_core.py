@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,27 +21,12 @@ from engine.model_runner import ModelRunner
 from engine.request import Request, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SampledToken, Scheduler, SchedulerOutput
+from engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 
 # Given the layout and block count, returns the KV pool tensor (e.g. in shared memory).
 KVPoolFactory = Callable[[KVLayout, int], torch.Tensor]
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_waiting_for_kv: int
-    num_total_blocks: int
-    num_free_blocks: int
-    num_held_blocks: int
-    num_queued_prompt_tokens: int
-    prefix_hit_tokens: int
-    prefix_query_tokens: int
-    num_preemptions: int
-    num_steps: int
-    busy_seconds: float
 
 
 class EngineCore:

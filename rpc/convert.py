@@ -13,6 +13,8 @@ from typing import Any
 from engine.kv_layout import KVLayout
 from engine.request import FinishReason, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats
+from engine.transfer.base import KVDescriptor, KVEndpoint
 from protos.baton.v1 import common_pb2, kv_pb2, worker_pb2
 
 _SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
@@ -217,4 +219,97 @@ def kv_layout_from_proto(msg: kv_pb2.KVLayout, *, path: str = "layout") -> KVLay
         num_kv_heads=msg.num_kv_heads,
         head_dim=msg.head_dim,
         dtype=dtype,
+    )
+
+
+# --- KV descriptor -------------------------------------------------------------------
+
+_TRANSPORT_TO_PROTO = {
+    "shm": kv_pb2.KV_TRANSPORT_SHM,
+    "gloo": kv_pb2.KV_TRANSPORT_GLOO,
+    "cuda_ipc": kv_pb2.KV_TRANSPORT_CUDA_IPC,
+    "nccl": kv_pb2.KV_TRANSPORT_NCCL,
+}
+_TRANSPORT_FROM_PROTO = {v: k for k, v in _TRANSPORT_TO_PROTO.items()}
+
+
+def kv_descriptor_to_proto(desc: KVDescriptor) -> kv_pb2.KVDescriptor:
+    ep = desc.endpoint
+    return kv_pb2.KVDescriptor(
+        transport=_TRANSPORT_TO_PROTO[ep.kind],
+        endpoint=ep.address,
+        block_ids=list(desc.block_ids),
+        layout=kv_layout_to_proto(ep.layout),
+        incarnation_id=ep.incarnation,
+        block_epoch=desc.epoch,
+        request_id=desc.request_id,
+        num_blocks=ep.num_blocks,
+        lease_token=desc.lease_token,
+        handle=ep.handle,
+    )
+
+
+def kv_descriptor_from_proto(msg: kv_pb2.KVDescriptor, *, path: str = "kv") -> KVDescriptor:
+    """Validated descriptor; raises ValueError naming ``path.<field>``."""
+    kind = _TRANSPORT_FROM_PROTO.get(msg.transport)
+    if kind is None:
+        allowed = [kv_pb2.KVTransport.Name(v) for v in _TRANSPORT_FROM_PROTO]
+        raise ValueError(f"{path}.transport must be one of {allowed}, got {msg.transport!r}")
+    if not msg.HasField("layout"):
+        raise ValueError(f"{path}.layout is required")
+    if not msg.incarnation_id:
+        raise ValueError(f"{path}.incarnation_id is required")
+    if not msg.request_id:
+        raise ValueError(f"{path}.request_id is required")
+    if msg.lease_token == 0:
+        raise ValueError(f"{path}.lease_token must be non-zero")
+    if not msg.block_ids:
+        raise ValueError(f"{path}.block_ids must not be empty")
+    for i, b in enumerate(msg.block_ids):
+        if b >= msg.num_blocks:
+            raise ValueError(
+                f"{path}.block_ids[{i}] is {b}, outside the pool of {msg.num_blocks} blocks"
+            )
+    endpoint = KVEndpoint(
+        kind=kind,
+        address=msg.endpoint,
+        incarnation=msg.incarnation_id,
+        layout=kv_layout_from_proto(msg.layout, path=f"{path}.layout"),
+        num_blocks=msg.num_blocks,
+        handle=bytes(msg.handle),
+    )
+    return KVDescriptor(
+        endpoint=endpoint,
+        request_id=msg.request_id,
+        block_ids=tuple(msg.block_ids),
+        epoch=msg.block_epoch,
+        lease_token=msg.lease_token,
+    )
+
+
+# --- worker stats --------------------------------------------------------------------
+
+_ROLE_TO_PROTO = {
+    "prefill": worker_pb2.WORKER_ROLE_PREFILL,
+    "decode": worker_pb2.WORKER_ROLE_DECODE,
+    "both": worker_pb2.WORKER_ROLE_BOTH,
+}
+
+
+def worker_stats_to_proto(
+    role: str, incarnation: str, stats: EngineStats, busy_fraction: float, layout: KVLayout
+) -> worker_pb2.WorkerStats:
+    return worker_pb2.WorkerStats(
+        role=_ROLE_TO_PROTO[role],
+        incarnation_id=incarnation,
+        total_kv_blocks=stats.num_total_blocks,
+        free_kv_blocks=stats.num_free_blocks,
+        num_running=stats.num_running,
+        num_waiting=stats.num_waiting,
+        num_waiting_for_kv=stats.num_waiting_for_kv,
+        queued_prompt_tokens=stats.num_queued_prompt_tokens,
+        busy_fraction=busy_fraction,
+        prefix_cache_hit_tokens=stats.prefix_hit_tokens,
+        held_kv_blocks=stats.num_held_blocks,
+        kv_layout=kv_layout_to_proto(layout),
     )

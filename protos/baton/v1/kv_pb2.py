@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18protos/baton/v1/kv.proto\x12\x08\x62\x61ton.v1\"|\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12 \n\x05\x64type\x18\x05 \x01(\x0e\x32\x11.baton.v1.KVDtype\"\xc2\x01\n\x0cKVDescriptor\x12(\n\ttransport\x18\x01 \x01(\x0e\x32\x15.baton.v1.KVTransport\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\"\n\x06layout\x18\x04 \x01(\x0b\x32\x12.baton.v1.KVLayout\x12\x16\n\x0eincarnation_id\x18\x05 \x01(\t\x12\x13\n\x0b\x62lock_epoch\x18\x06 \x01(\x04\x12\x12\n\nrequest_id\x18\x07 \x01(\t*\x8a\x01\n\x0bKVTransport\x12\x1c\n\x18KV_TRANSPORT_UNSPECIFIED\x10\x00\x12\x14\n\x10KV_TRANSPORT_SHM\x10\x01\x12\x15\n\x11KV_TRANSPORT_GLOO\x10\x02\x12\x19\n\x15KV_TRANSPORT_CUDA_IPC\x10\x03\x12\x15\n\x11KV_TRANSPORT_NCCL\x10\x04*f\n\x07KVDtype\x12\x18\n\x14KV_DTYPE_UNSPECIFIED\x10\x00\x12\x14\n\x10KV_DTYPE_FLOAT32\x10\x01\x12\x15\n\x11KV_DTYPE_BFLOAT16\x10\x02\x12\x14\n\x10KV_DTYPE_FLOAT16\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18protos/baton/v1/kv.proto\x12\x08\x62\x61ton.v1\"|\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12 \n\x05\x64type\x18\x05 \x01(\x0e\x32\x11.baton.v1.KVDtype\"\xfb\x01\n\x0cKVDescriptor\x12(\n\ttransport\x18\x01 \x01(\x0e\x32\x15.baton.v1.KVTransport\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\"\n\x06layout\x18\x04 \x01(\x0b\x32\x12.baton.v1.KVLayout\x12\x16\n\x0eincarnation_id\x18\x05 \x01(\t\x12\x13\n\x0b\x62lock_epoch\x18\x06 \x01(\x04\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x12\n\nnum_blocks\x18\x08 \x01(\r\x12\x13\n\x0blease_token\x18\t \x01(\x04\x12\x0e\n\x06handle\x18\n \x01(\x0c*\x8a\x01\n\x0bKVTransport\x12\x1c\n\x18KV_TRANSPORT_UNSPECIFIED\x10\x00\x12\x14\n\x10KV_TRANSPORT_SHM\x10\x01\x12\x15\n\x11KV_TRANSPORT_GLOO\x10\x02\x12\x19\n\x15KV_TRANSPORT_CUDA_IPC\x10\x03\x12\x15\n\x11KV_TRANSPORT_NCCL\x10\x04*f\n\x07KVDtype\x12\x18\n\x14KV_DTYPE_UNSPECIFIED\x10\x00\x12\x14\n\x10KV_DTYPE_FLOAT32\x10\x01\x12\x15\n\x11KV_DTYPE_BFLOAT16\x10\x02\x12\x14\n\x10KV_DTYPE_FLOAT16\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.baton.v1.kv_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVTRANSPORT']._serialized_start=362
-  _globals['_KVTRANSPORT']._serialized_end=500
-  _globals['_KVDTYPE']._serialized_start=502
-  _globals['_KVDTYPE']._serialized_end=604
+  _globals['_KVTRANSPORT']._serialized_start=419
+  _globals['_KVTRANSPORT']._serialized_end=557
+  _globals['_KVDTYPE']._serialized_start=559
+  _globals['_KVDTYPE']._serialized_end=661
   _globals['_KVLAYOUT']._serialized_start=38
   _globals['_KVLAYOUT']._serialized_end=162
   _globals['_KVDESCRIPTOR']._serialized_start=165
-  _globals['_KVDESCRIPTOR']._serialized_end=359
+  _globals['_KVDESCRIPTOR']._serialized_end=416
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,56 @@
+"""``python -m decode_service``: run a decode worker (or, with --single-process, a worker
+that runs prefill and decode in one engine) until SIGTERM. Flags: rpc.worker_config."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from decode_service.servicer import SERVICE_NAME, DecodeServicer
+from protos.baton.v1 import worker_pb2_grpc
+from rpc.server import ServerSpec, serve
+from rpc.worker_config import WorkerConfig, env_prefix
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    single = "--single-process" in args or os.environ.get(
+        env_prefix("decode") + "SINGLE_PROCESS", ""
+    ).lower() in ("1", "true", "yes", "on")
+    try:
+        cfg = WorkerConfig.from_args("both" if single else "decode", args, os.environ)
+    except ValueError as err:
+        print(f"decode_service: {err}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        asyncio.run(_run(cfg))
+    except ValueError as err:
+        logging.getLogger("decode_service").error("decode_service: %s", err)
+        return 2
+    return 0
+
+
+async def _run(cfg: WorkerConfig) -> None:
+    servicer = DecodeServicer(cfg)
+    spec = ServerSpec(
+        name="decode" if cfg.role == "decode" else "worker",
+        register=lambda server: worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server),
+        service_names=(SERVICE_NAME,),
+        host=cfg.host,
+        port=cfg.port,
+        ready=servicer.start,
+        grace_s=cfg.grace_s,
+        port_file=cfg.port_file,
+    )
+    try:
+        await serve(spec)
+    finally:
+        await servicer.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""The decode side of the KV hand-off: leases on the receiver and their completions.
+
+Bridges the transport's receiver (its own threads) to asyncio: a lease's completion
+resolves a future on the event loop. Blocks of a lease are handed back to the engine
+only after its completion arrived, because until then a prefill worker may still be
+writing them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+
+import torch
+
+from engine.kv_layout import KVLayout
+from engine.transfer.base import KVDescriptor, KVReceiver, RecvCompletion, TransferConfig
+from engine.transfer.factory import make_receiver
+
+logger = logging.getLogger(__name__)
+
+
+class KVInbox:
+    def __init__(self, kind: str, address: str, transfer: TransferConfig | None = None):
+        self.kind = kind
+        self.address = address
+        self.transfer = transfer
+        self.receiver: KVReceiver | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._waiters: dict[str, asyncio.Future[RecvCompletion]] = {}
+        self._epochs = itertools.count(1)
+
+    def allocate_pool(self, layout: KVLayout, num_blocks: int) -> torch.Tensor:
+        """The engine's KV pool, placed where prefill workers can write it.
+
+        Called once, from the thread that builds the engine; the running loop must have
+        been bound with ``bind`` before.
+        """
+        assert self.receiver is None, "pool allocated twice"
+        self.receiver = make_receiver(
+            self.kind, layout, num_blocks, address=self.address, config=self.transfer,
+            notify=self._notify,
+        )
+        logger.info("KV inbox: %s endpoint %s incarnation %s",
+                    self.kind, self.receiver.endpoint.address, self.receiver.incarnation)
+        return self.receiver.kv_cache
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+
+    @property
+    def incarnation(self) -> str:
+        assert self.receiver is not None
+        return self.receiver.incarnation
+
+    def lease(self, request_id: str, block_ids: list[int], timeout_s: float) -> tuple[KVDescriptor, asyncio.Future[RecvCompletion]]:
+        """Grant a lease on ``block_ids``; the future resolves when the lease ends."""
+        assert self.receiver is not None and self._loop is not None
+        fut: asyncio.Future[RecvCompletion] = self._loop.create_future()
+        self._waiters[request_id] = fut
+        try:
+            desc = self.receiver.expect(
+                request_id, tuple(block_ids), next(self._epochs), time.monotonic() + timeout_s
+            )
+        except BaseException:
+            self._waiters.pop(request_id, None)
+            raise
+        return desc, fut
+
+    def verify(self, request_id: str, checksum: int, epoch: int) -> None:
+        assert self.receiver is not None
+        self.receiver.verify(request_id, checksum, epoch)
+
+    def cancel(self, request_id: str) -> None:
+        """End the lease; its future still resolves (with CancelledError) once no peer
+        can write the blocks any more."""
+        assert self.receiver is not None
+        self.receiver.cancel(request_id)
+
+    def close(self) -> None:
+        if self.receiver is not None:
+            self.receiver.close()
+            self._drain()
+
+    def _notify(self) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        assert self.receiver is not None
+        for completion in self.receiver.poll():
+            fut = self._waiters.pop(completion.request_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(completion)

@@ -1,0 +1,200 @@
+"""Starts a whole baton deployment on this machine: workers and a gateway, each its own
+process on 127.0.0.1 with a port chosen by the OS.
+
+Used by ``baton run`` / ``baton serve``, the end-to-end tests and the serving benchmark.
+It talks to the processes it starts only through their command lines, port files and
+the standard health service, so it imports no service code.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSpec:
+    model: str = "smollm2-135m"
+    # disaggregated: prefill and decode workers; single: one worker runs both.
+    mode: str = "disaggregated"
+    transport: str = "shm"
+    num_prefill: int = 1
+    num_decode: int = 1
+    dtype: str = "bfloat16"
+    # Extra flags for every worker (e.g. ("--num-blocks", "512")).
+    worker_args: tuple[str, ...] = ()
+    gateway_args: tuple[str, ...] = ()
+    # CPU sets per worker kind, e.g. {"prefill": {0}, "decode": {1}}; empty: no pinning.
+    cpus: dict[str, frozenset[int]] = field(default_factory=dict)
+    start_timeout_s: float = 600.0
+    log_level: str = "WARNING"
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("disaggregated", "single"):
+            raise ValueError(f"mode must be 'disaggregated' or 'single', got {self.mode!r}")
+        if self.num_decode < 1 or (self.mode == "disaggregated" and self.num_prefill < 1):
+            raise ValueError("a deployment needs at least one decode and one prefill worker")
+
+
+@dataclass(slots=True)
+class _Proc:
+    kind: str
+    popen: subprocess.Popen
+    port_file: Path
+    log: Path
+    address: str = ""
+
+
+class LocalCluster:
+    """``with LocalCluster(spec) as c: ... c.gateway_address ...``; stops everything it
+    started on exit, even after a failed start."""
+
+    def __init__(self, spec: ClusterSpec, workdir: Path | None = None):
+        self.spec = spec
+        self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="baton-")
+        self.workdir = workdir or Path(self._tmp.name)  # type: ignore[union-attr]
+        self.procs: list[_Proc] = []
+        self.gateway_address = ""
+
+    def __enter__(self) -> LocalCluster:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- addresses --------------------------------------------------------------------
+
+    def addresses(self, kind: str) -> list[str]:
+        return [p.address for p in self.procs if p.kind == kind]
+
+    def process(self, kind: str, index: int = 0) -> subprocess.Popen:
+        return [p.popen for p in self.procs if p.kind == kind][index]
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    def start(self) -> None:
+        s = self.spec
+        common = ("--model", s.model, "--dtype", s.dtype, "--log-level", s.log_level, *s.worker_args)
+        workers: list[_Proc] = []
+        if s.mode == "single":
+            for i in range(s.num_decode):
+                workers.append(self._spawn("decode", i, ["decode_service", "--single-process", *common]))
+        else:
+            for i in range(s.num_prefill):
+                workers.append(self._spawn("prefill", i, ["prefill_service", "--transport", s.transport, *common]))
+            for i in range(s.num_decode):
+                workers.append(self._spawn("decode", i, ["decode_service", "--transport", s.transport, *common]))
+        deadline = time.monotonic() + s.start_timeout_s
+        for proc in workers:
+            self._await_port(proc, deadline)
+        for proc in workers:
+            wait_serving(proc.address, deadline - time.monotonic(), proc)
+        gw_args = ["gateway", "--model", s.model, "--log-level", s.log_level, *s.gateway_args]
+        for addr in self.addresses("decode"):
+            gw_args += ["--decode", addr]
+        for addr in self.addresses("prefill"):
+            gw_args += ["--prefill", addr]
+        gateway = self._spawn("gateway", 0, gw_args)
+        self._await_port(gateway, deadline)
+        wait_serving(gateway.address, deadline - time.monotonic(), gateway)
+        self.gateway_address = gateway.address
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM everything (gateway first, so it stops taking work), then SIGKILL."""
+        for proc in sorted(self.procs, key=lambda p: p.kind != "gateway"):
+            if proc.popen.poll() is None:
+                proc.popen.send_signal(signal.SIGTERM)
+        end = time.monotonic() + timeout_s
+        for proc in self.procs:
+            try:
+                proc.popen.wait(max(0.1, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("%s did not stop in %.0fs; killing it", proc.kind, timeout_s)
+                proc.popen.kill()
+                proc.popen.wait()
+        self.procs.clear()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def kill(self, kind: str, index: int = 0) -> None:
+        """SIGKILL one process (failure tests)."""
+        popen = self.process(kind, index)
+        popen.kill()
+        popen.wait()
+
+    def logs(self) -> str:
+        return "\n".join(f"== {p.kind} ({p.log})\n{p.log.read_text(errors='replace')[-4000:]}"
+                         for p in self.procs if p.log.exists())
+
+    # -- internals --------------------------------------------------------------------
+
+    def _spawn(self, kind: str, index: int, argv: list[str]) -> _Proc:
+        port_file = self.workdir / f"{kind}-{index}.port"
+        log = self.workdir / f"{kind}-{index}.log"
+        cmd = [sys.executable, "-m", *argv, "--host", "127.0.0.1", "--port", "0",
+               "--port-file", str(port_file)]
+        cpus = self.spec.cpus.get(kind)
+        env = dict(os.environ)
+        if cpus:
+            # One compute thread per pinned core: more threads than cores only contend.
+            env["OMP_NUM_THREADS"] = str(len(cpus))
+
+        def pin() -> None:
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+
+        with open(log, "wb") as out:
+            popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                     preexec_fn=pin if cpus else None)
+        proc = _Proc(kind, popen, port_file, log)
+        self.procs.append(proc)
+        return proc
+
+    def _await_port(self, proc: _Proc, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            if proc.port_file.exists() and proc.port_file.read_text().strip():
+                proc.address = f"127.0.0.1:{int(proc.port_file.read_text())}"
+                return
+            if proc.popen.poll() is not None:
+                raise RuntimeError(f"{proc.kind} exited with {proc.popen.returncode} while "
+                                   f"starting:\n{proc.log.read_text(errors='replace')[-3000:]}")
+            time.sleep(0.05)
+        raise TimeoutError(f"{proc.kind} did not report its port in time; log: {proc.log}")
+
+
+def wait_serving(address: str, timeout_s: float, proc: _Proc | None = None) -> None:
+    """Block until ``address`` reports SERVING on the standard health service."""
+    deadline = time.monotonic() + max(timeout_s, 0.0)
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=2.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if proc is not None and proc.popen.poll() is not None:
+                raise RuntimeError(f"{proc.kind} exited with {proc.popen.returncode}:\n"
+                                   f"{proc.log.read_text(errors='replace')[-3000:]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{address} did not become SERVING in time")
+            time.sleep(0.1)

@@ -1,0 +1,51 @@
+"""``python -m prefill_service``: run a prefill worker until SIGTERM. Flags: rpc.worker_config."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from prefill_service.servicer import SERVICE_NAME, PrefillServicer
+from protos.baton.v1 import worker_pb2_grpc
+from rpc.server import ServerSpec, serve
+from rpc.worker_config import WorkerConfig
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        cfg = WorkerConfig.from_args("prefill", list(sys.argv[1:] if argv is None else argv), os.environ)
+    except ValueError as err:
+        print(f"prefill_service: {err}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        asyncio.run(_run(cfg))
+    except ValueError as err:
+        logging.getLogger("prefill_service").error("prefill_service: %s", err)
+        return 2
+    return 0
+
+
+async def _run(cfg: WorkerConfig) -> None:
+    servicer = PrefillServicer(cfg)
+    spec = ServerSpec(
+        name="prefill",
+        register=lambda server: worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server),
+        service_names=(SERVICE_NAME,),
+        host=cfg.host,
+        port=cfg.port,
+        ready=servicer.start,
+        grace_s=cfg.grace_s,
+        port_file=cfg.port_file,
+    )
+    try:
+        await serve(spec)
+    finally:
+        await servicer.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

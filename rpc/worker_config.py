@@ -1,0 +1,169 @@
+"""Configuration of a prefill or decode worker: built once in ``__main__`` from flags and
+``BATON_PREFILL_*`` / ``BATON_DECODE_*`` environment variables.
+
+Every flag has an environment twin (``--max-num-seqs`` <-> ``BATON_DECODE_MAX_NUM_SEQS``
+for a decode worker); a flag given on the command line wins. Torch-free.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.config import EngineConfig
+
+ROLES = ("prefill", "decode", "both")
+TRANSPORTS = ("shm", "gloo", "cuda_ipc", "nccl")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """Everything a worker needs to start. Frozen: nothing changes it after start-up."""
+
+    role: str  # prefill | decode | both (prefill + decode in one engine, no transfer)
+    engine: EngineConfig
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: any free port
+    port_file: Path | None = None  # the bound port is written here
+    grace_s: float = 30.0  # drain time for in-flight requests on SIGTERM
+    transport: str = "shm"  # KV transport: shm | gloo (CPU), cuda_ipc | nccl (GPU)
+    # gloo/nccl: host:port the decode worker's rendezvous store binds (port 0: any).
+    transport_address: str = "127.0.0.1:0"
+    # Longest a KV hand-off may take from reservation to verified arrival.
+    transfer_timeout_s: float = 30.0
+    # Decode: how long a request may queue for free KV blocks before RESOURCE_EXHAUSTED.
+    reserve_timeout_s: float = 10.0
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65536), got {self.port}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        for name in ("grace_s", "transfer_timeout_s", "reserve_timeout_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
+
+    @classmethod
+    def from_args(cls, role: str, argv: Sequence[str], env: Mapping[str, str]) -> WorkerConfig:
+        """Parse ``argv`` over ``env`` for a worker of ``role``; ValueError for bad values."""
+        prefix = env_prefix(role)
+        args = _parser(role, prefix).parse_args(list(argv))
+        worker: dict[str, Any] = {}
+        engine: dict[str, Any] = {}
+        for name, (convert, target) in _FIELDS.items():
+            raw = getattr(args, name)
+            source = "--" + name.replace("_", "-")
+            if raw is None:
+                source = prefix + name.upper()
+                raw = env.get(source)
+                if raw is None or not raw.strip():
+                    continue
+            try:
+                value = convert(raw.strip())
+            except ValueError as err:
+                raise ValueError(f"{source}={raw!r} is not valid: {err}") from err
+            (engine if target == "engine" else worker)[name] = value
+        return cls(role=role, engine=EngineConfig(**engine), **worker)
+
+
+def env_prefix(role: str) -> str:
+    """Decode workers read ``BATON_DECODE_*`` whether or not they run single-process."""
+    return "BATON_PREFILL_" if role == "prefill" else "BATON_DECODE_"
+
+
+def _bool(raw: str) -> bool:
+    low = raw.lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected true/false")
+
+
+def _optional_int(raw: str) -> int | None:
+    return None if raw.lower() in ("", "none", "auto") else int(raw)
+
+
+# Field -> (conversion from text, which record it belongs to).
+_FIELDS: dict[str, tuple[Callable[[str], Any], str]] = {
+    "model": (str, "engine"),
+    "dtype": (str, "engine"),
+    "device": (str, "engine"),
+    "block_size": (int, "engine"),
+    "num_blocks": (_optional_int, "engine"),
+    "kv_cache_bytes": (int, "engine"),
+    "max_num_seqs": (int, "engine"),
+    "max_num_batched_tokens": (int, "engine"),
+    "max_model_len": (int, "engine"),
+    "enable_prefix_caching": (_bool, "engine"),
+    "seed": (int, "engine"),
+    "num_threads": (int, "engine"),
+    "cache_dir": (str, "engine"),
+    "host": (str, "worker"),
+    "port": (int, "worker"),
+    "port_file": (Path, "worker"),
+    "grace_s": (float, "worker"),
+    "transport": (str, "worker"),
+    "transport_address": (str, "worker"),
+    "transfer_timeout_s": (float, "worker"),
+    "reserve_timeout_s": (float, "worker"),
+    "log_level": (str.upper, "worker"),
+}
+
+_HELP = {
+    "model": "bundled model name, .gguf file or HF checkpoint directory",
+    "dtype": "float32 | bfloat16 | float16",
+    "device": "cpu | cuda[:N]",
+    "block_size": "tokens per KV block",
+    "num_blocks": "KV blocks in the pool (default: from --kv-cache-bytes)",
+    "kv_cache_bytes": "bytes of KV pool when --num-blocks is not given",
+    "max_num_seqs": "most sequences in one step",
+    "max_num_batched_tokens": "token budget of one step",
+    "max_model_len": "prompt + output limit; 0: the model's own",
+    "enable_prefix_caching": "reuse KV of shared prompt prefixes (true/false)",
+    "seed": "seed of unseeded sampling",
+    "num_threads": "torch compute threads; 0: torch's default",
+    "cache_dir": "where converted GGUF checkpoints are cached",
+    "host": "interface to listen on",
+    "port": "port to listen on; 0 picks a free one",
+    "port_file": "write the bound port to this file",
+    "grace_s": "seconds in-flight requests may drain on SIGTERM",
+    "transport": "KV transport: shm | gloo | cuda_ipc | nccl",
+    "transport_address": "gloo/nccl: host:port of the decode worker's rendezvous store",
+    "transfer_timeout_s": "longest a KV hand-off may take",
+    "reserve_timeout_s": "decode: how long a request may wait for free KV blocks",
+    "log_level": f"one of {', '.join(LOG_LEVELS)}",
+}
+
+
+def defaults(role: str) -> dict[str, Any]:
+    """Every flag's default for ``role`` (for the README's configuration table)."""
+    cfg = WorkerConfig(role=role, engine=EngineConfig())
+    out = {f.name: getattr(cfg.engine, f.name) for f in dataclasses.fields(cfg.engine)}
+    out.update({f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "engine"})
+    return out
+
+
+def _parser(role: str, prefix: str) -> argparse.ArgumentParser:
+    module = {"prefill": "prefill_service", "decode": "decode_service", "both": "decode_service"}
+    p = argparse.ArgumentParser(
+        prog=f"python -m {module[role]}",
+        description=f"baton {role} worker. Every flag can also be set as {prefix}<FLAG>; "
+        "a flag on the command line wins.",
+    )
+    if role != "prefill":
+        p.add_argument("--single-process", action="store_true", dest="_single",
+                       help="run prefill and decode in this one engine (role=both)")
+    for name in _FIELDS:
+        p.add_argument("--" + name.replace("_", "-"), dest=name, help=_HELP[name])
+    return p
