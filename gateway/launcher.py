@@ -38,6 +38,7 @@ class ClusterSpec:
     gateway_args: tuple[str, ...] = ()
     # CPU sets per worker kind, e.g. {"prefill": {0}, "decode": {1}}; empty: no pinning.
     cpus: dict[str, frozenset[int]] = field(default_factory=dict)
+    gateway_port: int = 0  # 0: any free port
     start_timeout_s: float = 600.0
     log_level: str = "WARNING"
 
@@ -111,7 +112,7 @@ class LocalCluster:
             gw_args += ["--decode", addr]
         for addr in self.addresses("prefill"):
             gw_args += ["--prefill", addr]
-        gateway = self._spawn("gateway", 0, gw_args)
+        gateway = self._spawn("gateway", 0, gw_args, port=s.gateway_port)
         self._await_port(gateway, deadline)
         wait_serving(gateway.address, deadline - time.monotonic(), gateway)
         self.gateway_address = gateway.address
@@ -146,10 +147,10 @@ class LocalCluster:
 
     # -- internals --------------------------------------------------------------------
 
-    def _spawn(self, kind: str, index: int, argv: list[str]) -> _Proc:
+    def _spawn(self, kind: str, index: int, argv: list[str], port: int = 0) -> _Proc:
         port_file = self.workdir / f"{kind}-{index}.port"
         log = self.workdir / f"{kind}-{index}.log"
-        cmd = [sys.executable, "-m", *argv, "--host", "127.0.0.1", "--port", "0",
+        cmd = [sys.executable, "-m", *argv, "--host", "127.0.0.1", "--port", str(port),
                "--port-file", str(port_file)]
         cpus = self.spec.cpus.get(kind)
         env = dict(os.environ)

@@ -1,0 +1,92 @@
+"""``baton``: the command a person types.
+
+    baton run "Write a haiku about relay races"     # start everything, stream one answer
+    baton serve --gateway-port 50051                # start everything, serve until Ctrl-C
+    baton generate --address HOST:PORT "prompt"     # talk to a running gateway
+
+``run`` and ``serve`` start a gateway, a prefill worker and a decode worker as separate
+processes on 127.0.0.1 (``--single-process`` for one worker doing both).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from collections.abc import Sequence
+
+from gateway import client
+from gateway.launcher import ClusterSpec, LocalCluster
+
+
+def _cluster_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m", help="bundled name, .gguf or checkpoint dir")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--single-process", action="store_true",
+                   help="one worker runs prefill and decode (no KV transfer)")
+    p.add_argument("--transport", default="shm", choices=("shm", "gloo", "cuda_ipc", "nccl"))
+    p.add_argument("--prefill-workers", type=int, default=1)
+    p.add_argument("--decode-workers", type=int, default=1)
+    p.add_argument("--log-level", default="WARNING")
+
+
+def _spec(args: argparse.Namespace, gateway_port: int = 0) -> ClusterSpec:
+    return ClusterSpec(
+        model=args.model,
+        mode="single" if args.single_process else "disaggregated",
+        transport=args.transport,
+        num_prefill=args.prefill_workers,
+        num_decode=args.decode_workers,
+        dtype=args.dtype,
+        gateway_port=gateway_port,
+        log_level=args.log_level,
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="baton", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="start a local deployment and stream one completion")
+    _cluster_args(run)
+    run.add_argument("prompt", help="the prompt (sent as a chat message unless --raw)")
+    run.add_argument("--raw", action="store_true", help="plain text completion, no chat template")
+    run.add_argument("--max-tokens", type=int, default=128)
+    run.add_argument("--temperature", type=float, default=0.0)
+    serve = sub.add_parser("serve", help="start a local deployment and serve until Ctrl-C")
+    _cluster_args(serve)
+    serve.add_argument("--gateway-port", type=int, default=50051)
+    sub.add_parser("generate", help="stream from a running gateway (see --help)", add_help=False)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["generate"]:
+        return client.main(argv[1:])
+    args = _parser().parse_args(argv)
+    if args.command == "run":
+        print("baton: starting gateway, prefill and decode workers "
+              "(the first start converts the model; later ones take seconds)...", file=sys.stderr)
+        with LocalCluster(_spec(args)) as cluster:
+            flags = ["--address", cluster.gateway_address, "--max-tokens", str(args.max_tokens),
+                     "--temperature", str(args.temperature)]
+            if not args.raw:
+                flags.append("--chat")
+            return client.main([*flags, args.prompt])
+    with LocalCluster(_spec(args, args.gateway_port)) as cluster:
+        print(f"baton: serving on {cluster.gateway_address} "
+              f"(decode {cluster.addresses('decode')}, prefill {cluster.addresses('prefill')}); "
+              "Ctrl-C stops", file=sys.stderr)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        try:
+            while all(p.popen.poll() is None for p in cluster.procs):
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
