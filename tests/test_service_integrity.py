@@ -1,0 +1,410 @@
+"""The decode worker's side of the KV hand-off protocol, against a prefill worker that lies.
+
+A real ``DecodeServicer`` (tiny model, shm transport, 64 blocks, 1 s transfer timeout)
+runs in this process behind a real ``RpcServer``, and so does a fake ``PrefillWorker``
+that answers each ``Prefill`` stream as a test tells it: a correct hand-off (the control),
+a wrong checksum, a wrong epoch, no TransferComplete, no first token, a stream closed
+early. Every bad hand-off must end the ``Decode`` stream with its typed status within the
+transfer timeout (DESIGN "KV ownership"), with no token beyond the one prefill sampled,
+and leave every decode block free. A real prefill worker process with another block
+size is refused by the layout handshake.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import grpc.aio
+import pytest
+import pytest_asyncio
+
+from decode_service.servicer import SERVICE_NAME as DECODE_SERVICE
+from decode_service.servicer import DecodeServicer
+from engine.config import EngineConfig
+from engine.errors import UnavailableError
+from engine.transfer.block_copy import Staging, checksum_blocks
+from gateway.launcher import wait_serving
+from protos.baton.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from rpc.server import RpcServer, ServerSpec
+from rpc.worker_config import WorkerConfig
+from tests.e2e_helpers import SETTLE_S, describe, prompt_ids, settled
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+PREFILL_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
+NUM_BLOCKS = 64
+TRANSFER_TIMEOUT_S = 1.0
+FIRST_TOKEN = 42
+CALL_TIMEOUT_S = 20.0
+
+
+# --- the fake prefill worker ---------------------------------------------------------------
+
+
+class FakePrefill(worker_pb2_grpc.PrefillWorkerServicer):
+    """Plays ``behaviour`` on every Prefill stream and records what decode sent.
+
+    Behaviours: ``ok`` (first token, then a TransferComplete whose checksum matches the
+    blocks as they are), ``bad_checksum``, ``bad_epoch``, ``no_transfer_complete`` (first
+    token, then silence), ``no_first_token`` (silence), ``close_after_first_token``,
+    ``unavailable`` (fails before the first token).
+    """
+
+    def __init__(self, decode: DecodeServicer) -> None:
+        self.decode = decode
+        self.behaviour = "ok"
+        self.requests: list[worker_pb2.PrefillRequest] = []
+        self.acks: list[worker_pb2.TransferAck] = []
+        self.cancelled: list[str] = []
+
+    async def Stats(self, request, context):  # noqa: N802 (gRPC method name)
+        return worker_pb2.WorkerStats(role=worker_pb2.WORKER_ROLE_PREFILL, incarnation_id="fake")
+
+    async def Prefill(self, request_iterator, context):  # noqa: N802
+        incoming = aiter(request_iterator)
+        first = await anext(incoming)
+        req = first.request
+        self.requests.append(req)
+        behaviour = self.behaviour
+        try:
+            if behaviour == "unavailable":
+                raise UnavailableError("fake prefill is going away")
+            if behaviour == "no_first_token":
+                await asyncio.sleep(3600)
+            yield worker_pb2.PrefillServerMessage(
+                first_token=worker_pb2.FirstToken(token_id=FIRST_TOKEN)
+            )
+            if behaviour == "close_after_first_token":
+                return
+            if behaviour == "no_transfer_complete":
+                await asyncio.sleep(3600)
+            checksum, epoch = self._checksum(req), req.kv.block_epoch
+            if behaviour == "bad_checksum":
+                checksum ^= 0x5A5A5A5A
+            elif behaviour == "bad_epoch":
+                epoch += 1000
+            yield worker_pb2.PrefillServerMessage(
+                transfer_complete=worker_pb2.TransferComplete(
+                    request_id=req.request_id,
+                    checksum=checksum,
+                    epoch=epoch,
+                    num_bytes=1,
+                )
+            )
+            ack = await anext(incoming, None)
+            if ack is not None:
+                self.acks.append(ack.ack)
+        except asyncio.CancelledError:
+            self.cancelled.append(req.request_id)
+            raise
+
+    def _checksum(self, req: worker_pb2.PrefillRequest) -> int:
+        """What a real sender would report for the blocks as they are now."""
+        receiver = self.decode.inbox.receiver  # type: ignore[union-attr]
+        assert receiver is not None
+        return checksum_blocks(
+            receiver.kv_cache, receiver.layout, tuple(req.kv.block_ids), 16 << 20, Staging("cpu")
+        )
+
+
+# --- fixtures ----------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Rig:
+    decode: DecodeServicer
+    decode_address: str
+    prefill: FakePrefill
+    prefill_address: str
+    stub: worker_pb2_grpc.DecodeWorkerStub
+    servers: list[RpcServer] = field(default_factory=list)
+
+
+def _decode_config(model: Path, **overrides: object) -> WorkerConfig:
+    values: dict[str, object] = {
+        "transport": "shm",
+        # Its own segment name: see test_default_shm_segment_names_do_not_collide.
+        "transport_address": f"baton-it-{uuid.uuid4().hex[:16]}",
+        "transfer_timeout_s": TRANSFER_TIMEOUT_S,
+        "reserve_timeout_s": 2.0,
+        "grace_s": 0.0,
+    }
+    values.update(overrides)
+    engine = EngineConfig(model=str(model), dtype="float32", num_blocks=NUM_BLOCKS, num_threads=1)
+    return WorkerConfig(role="decode", engine=engine, **values)  # type: ignore[arg-type]
+
+
+async def _serve(name: str, service: str, register, ready=None) -> RpcServer:  # noqa: ANN001
+    server = RpcServer(
+        ServerSpec(name=name, register=register, service_names=(service,), ready=ready, grace_s=0.0)
+    )
+    await server.start()
+    await server.wait_ready()
+    return server
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def rig(tiny_llama: Path) -> AsyncIterator[Rig]:
+    decode = DecodeServicer(_decode_config(tiny_llama))
+    fake = FakePrefill(decode)
+    servers: list[RpcServer] = []
+    try:
+        servers.append(
+            await _serve(
+                "decode",
+                DECODE_SERVICE,
+                lambda s: worker_pb2_grpc.add_DecodeWorkerServicer_to_server(decode, s),
+                ready=decode.start,
+            )
+        )
+        servers.append(
+            await _serve(
+                "fake-prefill",
+                PREFILL_SERVICE,
+                lambda s: worker_pb2_grpc.add_PrefillWorkerServicer_to_server(fake, s),
+            )
+        )
+        decode_address = f"127.0.0.1:{servers[0].port}"
+        async with grpc.aio.insecure_channel(decode_address) as channel:
+            yield Rig(
+                decode,
+                decode_address,
+                fake,
+                f"127.0.0.1:{servers[1].port}",
+                worker_pb2_grpc.DecodeWorkerStub(channel),
+                servers,
+            )
+    finally:
+        for server in reversed(servers):
+            await server.stop()
+        await decode.close()
+
+
+@pytest.fixture(scope="module")
+def small_block_prefill(
+    tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """A real prefill worker process whose KV blocks hold 32 tokens (decode's hold 16)."""
+    workdir = tmp_path_factory.mktemp("prefill-32")
+    port_file, log = workdir / "port", workdir / "prefill.log"
+    cmd = [
+        sys.executable,
+        "-m",
+        "prefill_service",
+        "--model",
+        str(tiny_llama),
+        "--dtype",
+        "float32",
+        "--block-size",
+        "32",
+        "--num-blocks",
+        "64",
+        "--num-threads",
+        "1",
+        "--grace-s",
+        "0",
+        "--log-level",
+        "INFO",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--port-file",
+        str(port_file),
+    ]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while not (port_file.exists() and port_file.read_text().strip()):
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        address = f"127.0.0.1:{int(port_file.read_text())}"
+        wait_serving(address, deadline - time.monotonic())
+        yield address
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+# --- helpers -------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Ending:
+    token_ids: list[int]
+    code: grpc.StatusCode
+    details: str
+    elapsed_s: float
+
+    def __str__(self) -> str:
+        return (
+            f"{self.code.name} after {self.elapsed_s:.2f}s, tokens {self.token_ids}: {self.details}"
+        )
+
+
+def _decode_request(
+    rid: str, prefill: str, n: int = 40, max_tokens: int = 8
+) -> worker_pb2.DecodeRequest:
+    return worker_pb2.DecodeRequest(
+        request_id=rid,
+        prompt_token_ids=prompt_ids(n, rid),
+        sampling_params=common_pb2.SamplingParameters(
+            max_tokens=max_tokens, temperature=0, ignore_eos=True
+        ),
+        prefill_address=prefill,
+    )
+
+
+async def _decode(rig: Rig, request: worker_pb2.DecodeRequest) -> Ending:
+    began = time.monotonic()
+    tokens: list[int] = []
+    call = rig.stub.Decode(request, timeout=CALL_TIMEOUT_S)
+    try:
+        async for response in call:
+            tokens.extend(response.token_ids)
+    except grpc.aio.AioRpcError as err:
+        return Ending(tokens, err.code(), err.details() or "", time.monotonic() - began)
+    return Ending(tokens, grpc.StatusCode.OK, "", time.monotonic() - began)
+
+
+async def _decode_settles(rig: Rig) -> None:
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        stats = await rig.stub.Stats(worker_pb2.StatsRequest(), timeout=2)
+        if settled(stats):
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"decode did not free its KV within {SETTLE_S:.0f}s: {describe(stats)}")
+        await asyncio.sleep(0.02)
+
+
+def _rid(name: str) -> str:
+    return f"{name}-{uuid.uuid4().hex[:8]}"
+
+
+# --- the hand-off ----------------------------------------------------------------------------
+
+
+async def test_a_correct_hand_off_decodes(rig: Rig) -> None:
+    """The control: the fake speaks the protocol well enough to be believed."""
+    rig.prefill.behaviour = "ok"
+    rid = _rid("ok")
+    ending = await _decode(rig, _decode_request(rid, rig.prefill_address, max_tokens=8))
+    assert ending.code is grpc.StatusCode.OK, str(ending)
+    assert len(ending.token_ids) == 8 and ending.token_ids[0] == FIRST_TOKEN, str(ending)
+    req = rig.prefill.requests[-1]
+    assert req.request_id == rid and req.kv.request_id == rid
+    assert len(req.kv.block_ids) == 3  # 40 tokens in blocks of 16
+    assert rig.prefill.acks[-1].ok and rig.prefill.acks[-1].request_id == rid
+    await _decode_settles(rig)
+
+
+@pytest.mark.parametrize(
+    ("behaviour", "reason"),
+    [("bad_checksum", "checksum"), ("bad_epoch", "epoch")],
+)
+async def test_a_transfer_that_does_not_verify_is_aborted(
+    rig: Rig, behaviour: str, reason: str
+) -> None:
+    rig.prefill.behaviour = behaviour
+    rid = _rid(behaviour)
+    ending = await _decode(rig, _decode_request(rid, rig.prefill_address))
+    assert ending.code is grpc.StatusCode.ABORTED, str(ending)
+    assert reason in ending.details, str(ending)
+    assert ending.token_ids in ([], [FIRST_TOKEN]), str(ending)
+    assert ending.elapsed_s < TRANSFER_TIMEOUT_S + 2, str(ending)
+    ack = rig.prefill.acks[-1]
+    assert ack.request_id == rid and not ack.ok and reason in ack.reason, ack
+    await _decode_settles(rig)
+
+
+async def test_no_transfer_complete_ends_at_the_transfer_timeout(rig: Rig) -> None:
+    rig.prefill.behaviour = "no_transfer_complete"
+    rid = _rid("silent")
+    ending = await _decode(rig, _decode_request(rid, rig.prefill_address))
+    assert ending.code is grpc.StatusCode.DEADLINE_EXCEEDED, str(ending)
+    assert ending.token_ids in ([], [FIRST_TOKEN]), str(ending)
+    assert TRANSFER_TIMEOUT_S - 0.1 < ending.elapsed_s < TRANSFER_TIMEOUT_S + 2, str(ending)
+    await _decode_settles(rig)
+    assert rid in rig.prefill.cancelled, "decode left the Prefill stream open"
+
+
+async def test_no_first_token_ends_at_the_transfer_timeout(rig: Rig) -> None:
+    rig.prefill.behaviour = "no_first_token"
+    rid = _rid("mute")
+    ending = await _decode(rig, _decode_request(rid, rig.prefill_address))
+    assert ending.code is grpc.StatusCode.DEADLINE_EXCEEDED, str(ending)
+    assert ending.token_ids == [], str(ending)
+    assert ending.elapsed_s < TRANSFER_TIMEOUT_S + 2, str(ending)
+    await _decode_settles(rig)
+    assert rid in rig.prefill.cancelled, "decode left the Prefill stream open"
+
+
+@pytest.mark.parametrize(
+    ("behaviour", "code"),
+    [
+        ("close_after_first_token", grpc.StatusCode.ABORTED),
+        ("unavailable", grpc.StatusCode.UNAVAILABLE),
+    ],
+)
+async def test_a_prefill_that_goes_away_fails_fast(
+    rig: Rig, behaviour: str, code: grpc.StatusCode
+) -> None:
+    rig.prefill.behaviour = behaviour
+    ending = await _decode(rig, _decode_request(_rid(behaviour), rig.prefill_address))
+    assert ending.code is code, str(ending)
+    assert ending.token_ids in ([], [FIRST_TOKEN]), str(ending)
+    assert ending.elapsed_s < TRANSFER_TIMEOUT_S, str(ending)
+    await _decode_settles(rig)
+
+
+async def test_client_cancel_while_waiting_for_the_transfer(rig: Rig) -> None:
+    """The hand-off held open after the first token; the caller goes away."""
+    rig.prefill.behaviour = "no_transfer_complete"
+    rid = _rid("cancel-in-transfer")
+    call = rig.stub.Decode(_decode_request(rid, rig.prefill_address), timeout=CALL_TIMEOUT_S)
+    first = await call.read()
+    assert list(first.token_ids) == [FIRST_TOKEN]
+    stats = await rig.stub.Stats(worker_pb2.StatsRequest(), timeout=2)
+    assert stats.num_waiting_for_kv == 1 and stats.free_kv_blocks == NUM_BLOCKS - 3, describe(stats)
+    call.cancel()
+    await _decode_settles(rig)
+    deadline = time.monotonic() + 5
+    while rid not in rig.prefill.cancelled:
+        assert time.monotonic() < deadline, "decode left the Prefill stream open"
+        await asyncio.sleep(0.02)
+
+
+# --- the layout handshake ----------------------------------------------------------------------
+
+
+async def test_a_prefill_worker_with_another_block_size_is_refused(
+    rig: Rig, small_block_prefill: str
+) -> None:
+    rid = _rid("layout")
+    ending = await _decode(rig, _decode_request(rid, small_block_prefill))
+    assert ending.code is grpc.StatusCode.FAILED_PRECONDITION, str(ending)
+    assert "block_size" in ending.details, str(ending)
+    assert "16" in ending.details and "32" in ending.details, str(ending)
+    assert ending.token_ids == [], str(ending)
+    await _decode_settles(rig)
+    async with grpc.aio.insecure_channel(small_block_prefill) as channel:
+        stats = await worker_pb2_grpc.PrefillWorkerStub(channel).Stats(
+            worker_pb2.StatsRequest(), timeout=2
+        )
+    assert settled(stats), describe(stats)
+    assert stats.kv_layout.block_size == 32
