@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 # Parent hash of the first block of every sequence.
 ROOT_HASH = 0
+# Parent block of the first block of every sequence.
+NO_PARENT = -1
 
 
 def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
@@ -24,7 +26,16 @@ def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
 
 @dataclass(slots=True)
 class _CachedKey:
+    """What a cached block's KV was computed from: exactly these tokens, right after the
+    block ``parent_block`` as it was in allocation ``parent_epoch``.
+
+    The hash only indexes the cache. A hit must also match this identity, so even a hash
+    collision can never serve KV that was computed after a different prefix.
+    """
+
     parent_hash: int
+    parent_block: int
+    parent_epoch: int
     token_ids: tuple[int, ...]
 
 
@@ -50,6 +61,10 @@ class BlockPool:
         self._hash_of: list[int | None] = [None] * num_blocks
         self._key_of: list[_CachedKey | None] = [None] * num_blocks
         self._cached: dict[int, int] = {}  # hash -> block id
+        # A full block whose content is already cached in another block: that block
+        # stands for it as the parent of later blocks of the same sequence.
+        self._twin: list[int] = [NO_PARENT] * num_blocks
+        self._twin_epoch = [0] * num_blocks
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
 
@@ -102,25 +117,29 @@ class BlockPool:
     # -- prefix cache -----------------------------------------------------------------
 
     def match_prefix(self, block_hashes: Sequence[int], keys: Sequence[tuple[int, ...]]) -> list[int]:
-        """Longest run of cached blocks matching ``block_hashes`` (and their exact tokens).
+        """Longest run of cached blocks holding exactly the KV of ``keys`` (one token tuple
+        per full block, from the sequence start), indexed by ``block_hashes``.
 
         Does not take references; call ``share`` on the result to keep the blocks.
         """
         if not self.enable_prefix_caching:
             return []
         hits: list[int] = []
-        parent = ROOT_HASH
+        parent, parent_epoch = NO_PARENT, 0
         for h, tokens in zip(block_hashes, keys, strict=True):
             block_id = self._cached.get(h)
             if block_id is None:
                 break
             key = self._key_of[block_id]
-            # A 64-bit hash can collide; serving another prompt's KV would be silent
-            # garbage, so the tokens themselves must match.
-            if key is None or key.parent_hash != parent or key.token_ids != tokens:
+            if (
+                key is None
+                or key.parent_block != parent
+                or key.parent_epoch != parent_epoch
+                or key.token_ids != tokens
+            ):
                 break
             hits.append(block_id)
-            parent = h
+            parent, parent_epoch = block_id, self._epoch[block_id]
         return hits
 
     def share(self, block_ids: Sequence[int]) -> None:
@@ -130,18 +149,43 @@ class BlockPool:
                 del self._free[block_id]
             self._ref[block_id] += 1
 
-    def cache_block(self, block_id: int, parent_hash: int, token_ids: Sequence[int]) -> int:
-        """Register a full, written block under its chained hash; returns the hash."""
+    def canonical(self, block_id: int) -> int:
+        """The cached block that holds ``block_id``'s content (itself, or its twin)."""
+        twin = self._twin[block_id]
+        # A twin reallocated since is no longer the same content.
+        if twin == NO_PARENT or self._epoch[twin] != self._twin_epoch[block_id]:
+            return block_id
+        return twin
+
+    def cache_block(
+        self,
+        block_id: int,
+        parent_hash: int,
+        token_ids: Sequence[int],
+        parent_block: int = NO_PARENT,
+    ) -> int:
+        """Register a full, written block; returns its chained hash.
+
+        ``parent_block`` is the sequence's previous block (``canonical`` of it), or
+        NO_PARENT for a first block. If identical content is already cached in another
+        block, that block becomes this one's twin and this one stays unregistered.
+        """
         h = hash_block(parent_hash, token_ids)
         if not self.enable_prefix_caching:
             return h
         assert self._ref[block_id] > 0, f"caching free block {block_id}"
-        if self._hash_of[block_id] is not None:
+        if self._hash_of[block_id] is not None or self._twin[block_id] != NO_PARENT:
             return h
-        if h not in self._cached:
+        parent_epoch = self._epoch[parent_block] if parent_block != NO_PARENT else 0
+        key = _CachedKey(parent_hash, parent_block, parent_epoch, tuple(token_ids))
+        existing = self._cached.get(h)
+        if existing is None:
             self._cached[h] = block_id
             self._hash_of[block_id] = h
-            self._key_of[block_id] = _CachedKey(parent_hash, tuple(token_ids))
+            self._key_of[block_id] = key
+        elif self._key_of[existing] == key:
+            self._twin[block_id] = existing
+            self._twin_epoch[block_id] = self._epoch[existing]
         return h
 
     def record_lookup(self, queried_tokens: int, hit_tokens: int) -> None:
@@ -153,8 +197,10 @@ class BlockPool:
             self._hash_of[block_id] = None
             self._key_of[block_id] = None
         self._cached.clear()
+        self._twin = [NO_PARENT] * self.num_blocks
 
     def _evict(self, block_id: int) -> None:
+        self._twin[block_id] = NO_PARENT
         h = self._hash_of[block_id]
         if h is not None:
             if self._cached.get(h) == block_id:

@@ -17,7 +17,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.block_pool import ROOT_HASH, BlockPool, hash_block
+from engine.block_pool import NO_PARENT, ROOT_HASH, BlockPool, hash_block
 from engine.errors import ResourceExhaustedError
 from engine.request import FinishReason, Request, RequestOutput, RequestStatus, TokenLogprob
 
@@ -75,6 +75,8 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        # A sequence can never outgrow the pool: past it, it would preempt itself forever.
+        self.max_seq_len = min(max_model_len, pool.num_blocks * pool.block_size)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -96,11 +98,10 @@ class Scheduler:
                 f"prompt has {prompt_len} tokens; max_model_len is {self.max_model_len}, "
                 "which must leave room for at least one new token"
             )
-        need = self._blocks_for(prompt_len + 1)
-        if need > self.pool.num_blocks:
+        if prompt_len >= self.max_seq_len:
             raise ValueError(
-                f"prompt has {prompt_len} tokens and needs {need} KV blocks; the pool has "
-                f"only {self.pool.num_blocks}"
+                f"prompt has {prompt_len} tokens and needs {self._blocks_for(prompt_len + 1)} "
+                f"KV blocks; the pool has only {self.pool.num_blocks}"
             )
 
     def add(self, req: Request) -> None:
@@ -115,6 +116,12 @@ class Scheduler:
         Raises ResourceExhaustedError (allocating nothing) when the pool can't hold it.
         """
         self.check_admissible(req.request_id, req.num_prompt_tokens)
+        # A reservation is a promise of a seat in the running batch once the KV arrives.
+        if len(self.running) + len(self.remote) >= self.max_num_seqs:
+            raise ResourceExhaustedError(
+                f"no free sequence slot for request {req.request_id} "
+                f"(max_num_seqs={self.max_num_seqs})"
+            )
         blocks = self.pool.allocate(self._blocks_for(req.num_prompt_tokens))
         if blocks is None:
             raise ResourceExhaustedError(
@@ -145,8 +152,10 @@ class Scheduler:
             return RequestOutput(
                 request_id, [], finish_reason=reason, num_prompt_tokens=req.num_prompt_tokens
             )
-        req.status = RequestStatus.WAITING
-        self.waiting.append(req)
+        # Straight into the running batch (its seat was promised at reservation): a
+        # waiting request must never hold blocks, or the queue head could starve on them.
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
         return None
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -184,28 +193,59 @@ class Scheduler:
         self._step_id += 1
         out = SchedulerOutput(self._step_id)
         budget = self.max_num_batched_tokens
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            num_new = min(self._logical_len(req) - req.num_computed_tokens, budget)
-            if num_new <= 0 or not req.wants_more_tokens:
-                i += 1
-                continue
-            need = self._blocks_for(req.num_computed_tokens + num_new) - len(req.block_ids)
-            while need > self.pool.num_free and self.running[-1] is not req:
-                self._preempt(self.running.pop(), out)
-            if need > self.pool.num_free:
-                self._preempt(self.running.pop(i), out)
-                continue
-            self._grow(req, need)
-            budget -= self._emit(req, num_new, out)
-            i += 1
+        scheduled: set[str] = set()
+        # Running decodes first, then the rest of running chunked prefills, so a long
+        # prompt never starves the tokens of requests already generating.
+        for decodes in (True, False):
+            i = 0
+            while i < len(self.running) and budget > 0:
+                req = self.running[i]
+                remaining = self._logical_len(req) - req.num_computed_tokens
+                if (
+                    req.request_id in scheduled
+                    or remaining <= 0
+                    or not req.wants_more_tokens
+                    or (remaining == 1) != decodes
+                ):
+                    i += 1
+                    continue
+                num_new = min(remaining, budget)
+                if not self._make_room(req, num_new, scheduled, out):
+                    continue  # req itself was preempted; running[i] is the next one
+                budget -= self._emit(req, num_new, out)
+                scheduled.add(req.request_id)
+                i = self.running.index(req) + 1
         if not out.preempted_ids:
             self._admit(budget, out)
         return out
 
+    def _make_room(
+        self, req: Request, num_new: int, scheduled: set[str], out: SchedulerOutput
+    ) -> bool:
+        """Give ``req`` the blocks for ``num_new`` more tokens, preempting the newest
+        running requests not yet in this step; False if ``req`` itself had to go."""
+        need = self._blocks_for(req.num_computed_tokens + num_new) - len(req.block_ids)
+        while need > self.pool.num_free:
+            victim = next(
+                (r for r in reversed(self.running)
+                 if r is not req and r.request_id not in scheduled),
+                None,
+            )
+            if victim is None:
+                self.running.remove(req)
+                self._preempt(req, out)
+                return False
+            self.running.remove(victim)
+            self._preempt(victim, out)
+        self._grow(req, need)
+        return True
+
     def _admit(self, budget: int, out: SchedulerOutput) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) + len(self.remote) < self.max_num_seqs
+        ):
             req = self.waiting[0]
             hits: list[int] = []
             if req.num_computed_tokens == 0:
@@ -368,7 +408,10 @@ class Scheduler:
         bs = self.block_size
         for b in range(req.num_registered_blocks, full):
             parent = hashes[b - 1] if b else ROOT_HASH
-            self.pool.cache_block(req.block_ids[b], parent, req.all_token_ids[b * bs : (b + 1) * bs])
+            parent_block = self.pool.canonical(req.block_ids[b - 1]) if b else NO_PARENT
+            self.pool.cache_block(
+                req.block_ids[b], parent, req.all_token_ids[b * bs : (b + 1) * bs], parent_block
+            )
         req.num_registered_blocks = full
 
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
@@ -381,7 +424,7 @@ class Scheduler:
                 return FinishReason.STOP
             if token in params.stop_token_ids:
                 return FinishReason.STOP
-        if n_out >= params.max_tokens or req.num_tokens >= self.max_model_len:
+        if n_out >= params.max_tokens or req.num_tokens >= self.max_seq_len:
             return FinishReason.LENGTH
         return None
 

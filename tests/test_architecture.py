@@ -47,7 +47,12 @@ def imports_of(source: str, module: str, is_package: bool) -> set[str]:
     """Absolute names of every module imported anywhere in ``source`` (nested too)."""
     found: set[str] = set()
     package = module if is_package else module.rpartition(".")[0]
-    for node in ast.walk(ast.parse(source)):
+    tree = ast.parse(source)
+    # `if TYPE_CHECKING:` imports never run; they exist for annotations only.
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            node.body = []
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -104,6 +109,11 @@ def test_import_collector_sees_nested_and_relative_imports() -> None:
     source = "import a.b\nfrom .sib import x\ndef f():\n    from ..up import y\n    import torch\n"
     found = imports_of(source, "pkg.sub.mod", is_package=False)
     assert {"a.b", "pkg.sub.sib", "pkg.sub.sib.x", "pkg.up", "pkg.up.y", "torch"} <= found
+
+
+def test_type_checking_imports_are_not_runtime_imports() -> None:
+    source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch\nimport os\n"
+    assert imports_of(source, "m", False) == {"typing", "typing.TYPE_CHECKING", "os"}
 
 
 def test_engine_imports_no_grpc_protos_rpc_or_service() -> None:

@@ -23,7 +23,7 @@ from hypothesis.stateful import (
 )
 
 from engine import block_pool
-from engine.block_pool import ROOT_HASH, BlockPool
+from engine.block_pool import NO_PARENT, ROOT_HASH, BlockPool
 
 BS = 2  # block size of the small pools below
 
@@ -49,10 +49,10 @@ def chain(tokens: Sequence[int], bs: int = BS) -> tuple[list[int], list[tuple[in
 def register(pool: BlockPool, block_ids: Sequence[int], tokens: Sequence[int]) -> list[int]:
     """cache_block each of ``block_ids`` with the consecutive full blocks of ``tokens``."""
     hashes, keys = chain(tokens, pool.block_size)
-    parent = ROOT_HASH
+    parent, parent_block = ROOT_HASH, NO_PARENT
     for block_id, key, h in zip(block_ids, keys, hashes, strict=True):
-        assert pool.cache_block(block_id, parent, key) == h
-        parent = h
+        assert pool.cache_block(block_id, parent, key, parent_block) == h
+        parent, parent_block = h, pool.canonical(block_id)
     return hashes
 
 
@@ -469,9 +469,11 @@ class BlockPoolMachine(RuleBasedStateMachine):
         assert fresh == list(self.lru)[:need]
         self._allocated(fresh)
         hashes, keys = chain(tokens)
+        blocks = hits + fresh
         for i, b in enumerate(fresh, start=len(hits)):
             parent = hashes[i - 1] if i else ROOT_HASH
-            assert self.pool.cache_block(b, parent, keys[i]) == hashes[i]
+            parent_block = self.pool.canonical(blocks[i - 1]) if i else NO_PARENT
+            assert self.pool.cache_block(b, parent, keys[i], parent_block) == hashes[i]
             self.content[b] = tokens[: (i + 1) * BS]
         self.sequences.append(tokens)
         self.chains.append((tokens, hits + fresh))

@@ -408,7 +408,7 @@ def test_abort_frees_everything_in_any_state(state: str) -> None:
         "running": RequestStatus.RUNNING,
         "preempted": RequestStatus.WAITING,
         "waiting_for_kv": RequestStatus.WAITING_FOR_KV,
-        "kv_arrived": RequestStatus.WAITING,
+        "kv_arrived": RequestStatus.RUNNING,
         "held": RequestStatus.FINISHED,
     }[state]
     assert target.status is expected
@@ -507,7 +507,7 @@ def test_max_model_len_ends_with_length(overlapped: bool) -> None:
 
 
 def _scheduler_with_every_state() -> Scheduler:
-    sched = make_scheduler(num_blocks=8, block_size=4, max_model_len=16, max_num_seqs=1)
+    sched = make_scheduler(num_blocks=8, block_size=4, max_model_len=16, max_num_seqs=3)
     d = Driver.build(sched)
     sched.add(make_request("held", prompt(0, 3), max_tokens=1, hold_kv=True))
     step(d)
@@ -660,12 +660,13 @@ def test_a_reused_request_id_gets_none_of_the_aborted_requests_results() -> None
 
 
 def check_decode_first(sched: Scheduler, out: SchedulerOutput, before: RunningSnapshot) -> None:
-    """Victims are the newest running requests; running decodes go before prefill chunks."""
-    before_ids = [b[0] for b in before]
-    assert out.preempted_ids == before_ids[::-1][: len(out.preempted_ids)]
+    """Victims are the newest running requests not already in the step; running decodes go
+    before prefill chunks."""
+    scheduled = [s.request.request_id for s in out.seqs]
+    candidates = [b[0] for b in before if b[0] not in scheduled]
+    assert out.preempted_ids == candidates[::-1][: len(out.preempted_ids)]
     phase = {rid: logical - computed for rid, computed, logical, wants in before if wants}
     decodes = [rid for rid, left in phase.items() if left == 1]
-    scheduled = [s.request.request_id for s in out.seqs]
     if len(decodes) <= sched.max_num_batched_tokens:
         for rid in decodes:
             assert rid in scheduled or rid in out.preempted_ids, f"decode {rid} starved"
