@@ -7,7 +7,8 @@ a wrong checksum, a wrong epoch, no TransferComplete, no first token, a stream c
 early. Every bad hand-off must end the ``Decode`` stream with its typed status within the
 transfer timeout (DESIGN "KV ownership"), with no token beyond the one prefill sampled,
 and leave every decode block free. A real prefill worker process with another block
-size is refused by the layout handshake.
+size is refused by the layout handshake; the same process, writing into a receiver of
+this test, frees the source blocks it holds when the ack never comes.
 """
 
 from __future__ import annotations
@@ -30,9 +31,12 @@ from decode_service.servicer import SERVICE_NAME as DECODE_SERVICE
 from decode_service.servicer import DecodeServicer
 from engine.config import EngineConfig
 from engine.errors import UnavailableError
+from engine.kv_layout import KVLayout
 from engine.transfer.block_copy import Staging, checksum_blocks
+from engine.transfer.factory import make_receiver
 from gateway.launcher import wait_serving
 from protos.baton.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from rpc.convert import kv_descriptor_to_proto
 from rpc.server import RpcServer, ServerSpec
 from rpc.worker_config import WorkerConfig
 from tests.e2e_helpers import SETTLE_S, describe, prompt_ids, settled
@@ -408,6 +412,53 @@ async def test_a_prefill_worker_with_another_block_size_is_refused(
         )
     assert settled(stats), describe(stats)
     assert stats.kv_layout.block_size == 32
+
+
+async def test_prefill_frees_its_blocks_when_decode_leaves_before_the_ack(
+    small_block_prefill: str,
+) -> None:
+    """The other side of the hand-off: a real prefill worker writes into a receiver of
+    this process, reports TransferComplete and holds its source blocks for the ack; the
+    decode side goes away instead of acknowledging, and prefill frees them."""
+    layout = KVLayout(num_layers=2, block_size=32, num_kv_heads=2, head_dim=16, dtype="float32")
+    receiver = make_receiver("shm", layout, 16, address=f"baton-it-{uuid.uuid4().hex[:16]}")
+    rid = _rid("no-ack")
+    try:
+        desc = receiver.expect(rid, (3, 4), 7, time.monotonic() + 10)
+        async with grpc.aio.insecure_channel(small_block_prefill) as channel:
+            stub = worker_pb2_grpc.PrefillWorkerStub(channel)
+            call = stub.Prefill(timeout=CALL_TIMEOUT_S)
+            await call.write(
+                worker_pb2.PrefillClientMessage(
+                    request=worker_pb2.PrefillRequest(
+                        request_id=rid,
+                        prompt_token_ids=prompt_ids(40, rid),
+                        sampling_params=common_pb2.SamplingParameters(max_tokens=4, temperature=0),
+                        kv=kv_descriptor_to_proto(desc),
+                    )
+                )
+            )
+            first = await call.read()
+            assert first.WhichOneof("message") == "first_token", first
+            done = await call.read()
+            assert done.WhichOneof("message") == "transfer_complete", done
+            assert (done.transfer_complete.request_id, done.transfer_complete.epoch) == (rid, 7)
+            held = await stub.Stats(worker_pb2.StatsRequest(), timeout=2)
+            assert held.held_kv_blocks == 2, describe(held)  # 40 tokens in blocks of 32
+            call.cancel()
+            deadline = time.monotonic() + SETTLE_S
+            while not settled(stats := await stub.Stats(worker_pb2.StatsRequest(), timeout=2)):
+                assert time.monotonic() < deadline, describe(stats)
+                await asyncio.sleep(0.02)
+        # What prefill wrote verifies on this side.
+        receiver.verify(rid, done.transfer_complete.checksum, done.transfer_complete.epoch)
+        deadline = time.monotonic() + 5
+        while not (completions := receiver.poll()):
+            assert time.monotonic() < deadline, "the lease did not end"
+            await asyncio.sleep(0.01)
+        assert [(c.request_id, c.ok) for c in completions] == [(rid, True)], completions
+    finally:
+        await asyncio.to_thread(receiver.close)
 
 
 # --- known bugs: these fail until the services are fixed ----------------------------------------
