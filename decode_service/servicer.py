@@ -2,9 +2,8 @@
 
 Request life on a decode worker (DESIGN "Request life"): reserve blocks first (the
 backpressure point: queue briefly, then RESOURCE_EXHAUSTED), lease them on the KV
-receiver, ask the prefill worker to prefill *into* them, forward its first token at
-once, verify the transfer (checksum + epoch), then let the request join the running
-batch. In single-process mode (role ``both``) the engine runs the prompt itself.
+receiver, ask the prefill worker to prefill *into* them, verify the transfer (checksum
++ epoch), then forward the first token and let the request join the running batch. In single-process mode (role ``both``) the engine runs the prompt itself.
 
 A cancel or failure in any phase ends with the blocks free: before the lease has ended
 they are handed back only after the receiver reports that no peer can write them.
@@ -13,6 +12,7 @@ they are handed back only after the receiver reports that no peer can write them
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 import uuid
@@ -54,10 +54,18 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, cfg: WorkerConfig):
         assert cfg.role in ("decode", "both")
         self.cfg = cfg
-        self.inbox = KVInbox(cfg.transport, cfg.transport_address) if cfg.role == "decode" else None
+        self.inbox = None
+        if cfg.role == "decode":
+            # transport_address is a store address for gloo/nccl; shm and cuda_ipc segments
+            # get a fresh random name, so any number of workers can share a host.
+            address = cfg.transport_address if cfg.transport in ("gloo", "nccl") else ""
+            self.inbox = KVInbox(cfg.transport, address)
         self.channels = ChannelCache()
         self.engine: AsyncEngine | None = None
         self._incarnation = ""
+        # Each Decode call runs as its own engine request: a retry of the same client id
+        # must not collide with an attempt whose blocks are still being reclaimed.
+        self._attempts = itertools.count(1)
         # Cleanup tasks for leases still ending after their request was dropped.
         self._cleanups: set[asyncio.Task[None]] = set()
 
@@ -98,9 +106,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.DecodeResponse]:
         engine = self._engine()
-        rid = request.request_id
-        if not rid:
+        if not request.request_id:
             raise ValueError("request_id is required")
+        rid = f"{request.request_id}#{next(self._attempts)}"
         params = sampling_params_from_proto(request.sampling_params)
         prompt = list(request.prompt_token_ids)
         remaining = context.time_remaining()
@@ -144,11 +152,6 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     kv=kv_descriptor_to_proto(desc),
                 )))
                 first = await _read(call, "first_token", timeout, prefill)
-            yield worker_pb2.DecodeResponse(
-                token_ids=[first.token_id],
-                logprobs=[first.logprob] if first.HasField("logprob") else [],
-            )
-            with typed_rpc_errors(f"prefill {prefill}"):
                 done = await _read(call, "transfer_complete", timeout, prefill)
             self.inbox.verify(rid, done.checksum, done.epoch)
             completion = await asyncio.wait_for(asyncio.shield(lease_ended), timeout + 5.0)
@@ -162,6 +165,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 raise completion.error
             engine.kv_ready(rid, first.token_id)
             handed_over = True
+            # The first token goes out only once its KV is verified: until then a failed
+            # hand-off is still invisible to the client and the gateway may retry it.
+            yield worker_pb2.DecodeResponse(
+                token_ids=[first.token_id],
+                logprobs=[first.logprob] if first.HasField("logprob") else [],
+            )
             async for msg in _responses(stream, len(prompt), first_token=first):
                 yield msg
         except TimeoutError as exc:

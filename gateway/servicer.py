@@ -32,6 +32,9 @@ class BatonServicer(generate_pb2_grpc.BatonServicer):
     def __init__(self, model: ServedModel, dispatcher: Dispatcher) -> None:
         self._model = model
         self._dispatcher = dispatcher
+        # Client-chosen ids of requests in flight here: a duplicate would make logs,
+        # cancellation and usage ambiguous, so it is refused.
+        self._in_flight: set[str] = set()
 
     async def Generate(  # noqa: N802 (gRPC method name)
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -40,6 +43,19 @@ class BatonServicer(generate_pb2_grpc.BatonServicer):
         card = self._model.card
         req = validate_generate_request(request, card)
         rid = req.request_id or uuid.uuid4().hex
+        if rid in self._in_flight:
+            raise ValueError(f"request_id {rid!r} is already in use by a request in flight")
+        self._in_flight.add(rid)
+        try:
+            async for response in self._generate(req, rid, began, context):
+                yield response
+        finally:
+            self._in_flight.discard(rid)
+
+    async def _generate(
+        self, req: GenerateInput, rid: str, began: float, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        card = self._model.card
         prompt = await self._prompt_token_ids(req)
         check_prompt_length(req.prompt_field, len(prompt), card)
         logger.info(
