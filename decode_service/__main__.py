@@ -25,7 +25,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as err:
         print(f"decode_service: {err}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         asyncio.run(_run(cfg))
     except ValueError as err:
@@ -38,7 +40,9 @@ async def _run(cfg: WorkerConfig) -> None:
     servicer = DecodeServicer(cfg)
     spec = ServerSpec(
         name="decode" if cfg.role == "decode" else "worker",
-        register=lambda server: worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server),
+        register=lambda server: worker_pb2_grpc.add_DecodeWorkerServicer_to_server(
+            servicer, server
+        ),
         service_names=(SERVICE_NAME,),
         host=cfg.host,
         port=cfg.port,

@@ -40,11 +40,19 @@ class KVInbox:
         """
         assert self.receiver is None, "pool allocated twice"
         self.receiver = make_receiver(
-            self.kind, layout, num_blocks, address=self.address, config=self.transfer,
+            self.kind,
+            layout,
+            num_blocks,
+            address=self.address,
+            config=self.transfer,
             notify=self._notify,
         )
-        logger.info("KV inbox: %s endpoint %s incarnation %s",
-                    self.kind, self.receiver.endpoint.address, self.receiver.incarnation)
+        logger.info(
+            "KV inbox: %s endpoint %s incarnation %s",
+            self.kind,
+            self.receiver.endpoint.address,
+            self.receiver.incarnation,
+        )
         return self.receiver.kv_cache
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -55,7 +63,9 @@ class KVInbox:
         assert self.receiver is not None
         return self.receiver.incarnation
 
-    def lease(self, request_id: str, block_ids: list[int], timeout_s: float) -> tuple[KVDescriptor, asyncio.Future[RecvCompletion]]:
+    def lease(
+        self, request_id: str, block_ids: list[int], timeout_s: float
+    ) -> tuple[KVDescriptor, asyncio.Future[RecvCompletion]]:
         """Grant a lease on ``block_ids``; the future resolves when the lease ends."""
         assert self.receiver is not None and self._loop is not None
         fut: asyncio.Future[RecvCompletion] = self._loop.create_future()

@@ -3,7 +3,8 @@
 Request life on a decode worker (DESIGN "Request life"): reserve blocks first (the
 backpressure point: queue briefly, then RESOURCE_EXHAUSTED), lease them on the KV
 receiver, ask the prefill worker to prefill *into* them, verify the transfer (checksum
-+ epoch), then forward the first token and let the request join the running batch. In single-process mode (role ``both``) the engine runs the prompt itself.
++ epoch), then forward the first token and let the request join the running batch. In
+single-process mode (role ``both``) the engine runs the prompt itself.
 
 A cancel or failure in any phase ends with the blocks free: before the lease has ended
 they are handed back only after the receiver reports that no peer can write them.
@@ -82,7 +83,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.engine = AsyncEngine(core)
         await self.engine.start()
         self._incarnation = self.inbox.incarnation if self.inbox else uuid.uuid4().hex
-        logger.info("decode worker ready (role=%s, incarnation %s)", self.cfg.role, self._incarnation)
+        logger.info(
+            "decode worker ready (role=%s, incarnation %s)", self.cfg.role, self._incarnation
+        )
 
     async def close(self) -> None:
         if self._cleanups:
@@ -95,10 +98,15 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     # -- RPCs -------------------------------------------------------------------------
 
-    async def Stats(self, request: worker_pb2.StatsRequest, context: grpc.aio.ServicerContext) -> worker_pb2.WorkerStats:
+    async def Stats(
+        self, request: worker_pb2.StatsRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.WorkerStats:
         engine = self._engine()
         return worker_stats_to_proto(
-            self.cfg.role, self._incarnation, await engine.stats(), engine.busy_fraction(),
+            self.cfg.role,
+            self._incarnation,
+            await engine.stats(),
+            engine.busy_fraction(),
             engine.core.layout,
         )
 
@@ -115,7 +123,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if self.cfg.role == "both":
             if request.prefill_address:
                 raise ValueError(
-                    "prefill_address must be empty: this worker runs prompts itself (single-process)"
+                    "prefill_address must be empty: this worker runs prompts itself "
+                    "(single-process)"
                 )
             stream = engine.generate(rid, prompt, params)
             async for msg in _responses(stream, len(prompt), first_token=None):
@@ -123,13 +132,19 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             return
         if not request.prefill_address:
             raise ValueError("prefill_address is required: this worker only decodes")
-        async for msg in self._disaggregated(rid, prompt, params, request.prefill_address, remaining):
+        async for msg in self._disaggregated(
+            rid, prompt, params, request.prefill_address, remaining
+        ):
             yield msg
 
     # -- the hand-off -----------------------------------------------------------------
 
     async def _disaggregated(
-        self, rid: str, prompt: list[int], params: SamplingParams, prefill: str,
+        self,
+        rid: str,
+        prompt: list[int],
+        params: SamplingParams,
+        prefill: str,
         remaining: float | None,
     ) -> AsyncIterator[worker_pb2.DecodeResponse]:
         engine = self._engine()
@@ -146,17 +161,25 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             stub = worker_pb2_grpc.PrefillWorkerStub(self.channels.get(prefill))
             call = stub.Prefill(timeout=remaining)
             with typed_rpc_errors(f"prefill {prefill}"):
-                await call.write(worker_pb2.PrefillClientMessage(request=worker_pb2.PrefillRequest(
-                    request_id=rid, prompt_token_ids=prompt,
-                    sampling_params=sampling_params_to_proto(params),
-                    kv=kv_descriptor_to_proto(desc),
-                )))
+                await call.write(
+                    worker_pb2.PrefillClientMessage(
+                        request=worker_pb2.PrefillRequest(
+                            request_id=rid,
+                            prompt_token_ids=prompt,
+                            sampling_params=sampling_params_to_proto(params),
+                            kv=kv_descriptor_to_proto(desc),
+                        )
+                    )
+                )
                 first = await _read(call, "first_token", timeout, prefill)
                 done = await _read(call, "transfer_complete", timeout, prefill)
             self.inbox.verify(rid, done.checksum, done.epoch)
             completion = await asyncio.wait_for(asyncio.shield(lease_ended), timeout + 5.0)
-            ack = worker_pb2.TransferAck(request_id=rid, ok=completion.ok,
-                                         reason="" if completion.ok else str(completion.error))
+            ack = worker_pb2.TransferAck(
+                request_id=rid,
+                ok=completion.ok,
+                reason="" if completion.ok else str(completion.error),
+            )
             with typed_rpc_errors(f"prefill {prefill}"):
                 await call.write(worker_pb2.PrefillClientMessage(ack=ack))
                 await call.done_writing()
@@ -199,7 +222,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     ) -> tuple[KVLease, AsyncIterator[RequestOutput]]:
         """Reserve KV blocks, waiting briefly for them when the pool is full."""
         engine = self._engine()
-        limit = self.cfg.reserve_timeout_s if remaining is None else min(self.cfg.reserve_timeout_s, remaining)
+        limit = (
+            self.cfg.reserve_timeout_s
+            if remaining is None
+            else min(self.cfg.reserve_timeout_s, remaining)
+        )
         give_up = time.monotonic() + limit
         while True:
             try:
@@ -247,7 +274,11 @@ async def _responses(
         )
         if out.finished:
             msg.finish_reason = finish_reason_to_proto(out.finish_reason)
-            msg.usage.CopyFrom(common_pb2.Usage(
-                prompt_tokens=num_prompt, completion_tokens=completion, cached_tokens=cached,
-            ))
+            msg.usage.CopyFrom(
+                common_pb2.Usage(
+                    prompt_tokens=num_prompt,
+                    completion_tokens=completion,
+                    cached_tokens=cached,
+                )
+            )
         yield msg

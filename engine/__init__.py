@@ -1,1 +1,4 @@
-"""The inference core: paged KV cache, scheduler, model runner, sampler, engine loop. Never imports gRPC or a service."""
+"""The inference core: paged KV cache, scheduler, model runner, sampler, engine loop.
+
+Never imports gRPC or a service.
+"""

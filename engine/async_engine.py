@@ -24,11 +24,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.engine_core import EngineCore
-from engine.stats import EngineStats
 from engine.errors import UnavailableError
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
+from engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 

@@ -116,7 +116,9 @@ class BlockPool:
 
     # -- prefix cache -----------------------------------------------------------------
 
-    def match_prefix(self, block_hashes: Sequence[int], keys: Sequence[tuple[int, ...]]) -> list[int]:
+    def match_prefix(
+        self, block_hashes: Sequence[int], keys: Sequence[tuple[int, ...]]
+    ) -> list[int]:
         """Longest run of cached blocks holding exactly the KV of ``keys`` (one token tuple
         per full block, from the sequence start), indexed by ``block_hashes``.
 

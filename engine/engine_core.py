@@ -52,11 +52,17 @@ class EngineCore:
                 f"{mc.max_position_embeddings}"
             )
         self.max_model_len = max_len
-        self.layout = KVLayout(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, cfg.dtype)
+        self.layout = KVLayout(
+            mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, cfg.dtype
+        )
         num_blocks = cfg.num_blocks or max(2, cfg.kv_cache_bytes // self.layout.block_bytes)
         pool_tensor = kv_pool_factory(self.layout, num_blocks) if kv_pool_factory else None
         self.runner = ModelRunner(
-            cfg, mc, self.files.path, num_blocks=num_blocks, kv_pool=pool_tensor,
+            cfg,
+            mc,
+            self.files.path,
+            num_blocks=num_blocks,
+            kv_pool=pool_tensor,
             show_progress=show_progress,
         )
         self.pool = BlockPool(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
@@ -68,8 +74,11 @@ class EngineCore:
         )
         logger.info(
             "engine ready: model=%s dtype=%s blocks=%d (%.1f MiB KV) max_model_len=%d",
-            self.files.name, cfg.dtype, num_blocks,
-            num_blocks * self.layout.block_bytes / 2**20, max_len,
+            self.files.name,
+            cfg.dtype,
+            num_blocks,
+            num_blocks * self.layout.block_bytes / 2**20,
+            max_len,
         )
 
     # -- requests ---------------------------------------------------------------------
@@ -119,7 +128,9 @@ class EngineCore:
             return []
         return self.update(sched, self.runner.execute(sched))
 
-    def update(self, sched: SchedulerOutput, sampled: list[SampledToken | None]) -> list[RequestOutput]:
+    def update(
+        self, sched: SchedulerOutput, sampled: list[SampledToken | None]
+    ) -> list[RequestOutput]:
         outputs = self.scheduler.update(sched, sampled)
         finished = [o.request_id for o in outputs if o.finished]
         if finished:
@@ -146,7 +157,9 @@ class EngineCore:
             busy_seconds=self.runner.busy_seconds,
         )
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[list[int]]:
         """Offline convenience: run prompts to completion; returns each one's output ids."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"offline-{i}" for i in range(len(prompts))]

@@ -34,6 +34,9 @@ class AttentionMetadata:
     # Additive mask [num_decode, max_blocks * block_size]: 0 for context, -inf for padding.
     decode_mask: torch.Tensor | None
     prefills: list[PrefillSeq]
+    # [num_decode] int64: tokens of context of each decode row, its query included. The
+    # runner may fill it; otherwise attention derives it from ``decode_mask`` once a step.
+    decode_context_lens: torch.Tensor | None = None
 
 
 @dataclass(slots=True)

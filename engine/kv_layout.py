@@ -31,7 +31,9 @@ class KVLayout:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
         if self.dtype not in DTYPE_SIZES:
-            raise ValueError(f"KVLayout.dtype must be one of {sorted(DTYPE_SIZES)}, got {self.dtype!r}")
+            raise ValueError(
+                f"KVLayout.dtype must be one of {sorted(DTYPE_SIZES)}, got {self.dtype!r}"
+            )
 
     @property
     def block_numel_per_layer_kv(self) -> int:

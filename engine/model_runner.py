@@ -20,7 +20,7 @@ from engine.forward_context import AttentionMetadata, ForwardContext, PrefillSeq
 from engine.kv_layout import KVLayout
 from engine.models.llama import LlamaForCausalLM
 from engine.sampler import Sampler, SamplingRow
-from engine.scheduler import PENDING_TOKEN, SampledToken, SchedulerOutput, ScheduledSeq
+from engine.scheduler import PENDING_TOKEN, SampledToken, ScheduledSeq, SchedulerOutput
 from engine.weights import iter_safetensors
 
 logger = logging.getLogger(__name__)
@@ -188,7 +188,9 @@ class ModelRunner:
         tables = mask = None
         if decode:
             width = max(len(seqs[i].block_ids) for i in decode)
-            tables_list = [seqs[i].block_ids + [0] * (width - len(seqs[i].block_ids)) for i in decode]
+            tables_list = [
+                seqs[i].block_ids + [0] * (width - len(seqs[i].block_ids)) for i in decode
+            ]
             tables = torch.tensor(tables_list, dtype=torch.long, device=self.device)
             ctx = torch.tensor([seqs[i].start + 1 for i in decode], device=self.device)
             cols = torch.arange(width * bs, device=self.device)
@@ -206,6 +208,8 @@ class ModelRunner:
                 decode_mask=mask,
                 prefills=prefills,
             ),
-            sample_rows=torch.tensor([row_end[i] for i in sample_idx], dtype=torch.long, device=dev),
+            sample_rows=torch.tensor(
+                [row_end[i] for i in sample_idx], dtype=torch.long, device=dev
+            ),
             sample_seq_idx=sample_idx,
         )

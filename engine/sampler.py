@@ -34,7 +34,9 @@ class Sampler:
         self._gen = torch.Generator(device=device)
         self._gen.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[tuple[int, TokenLogprob | None]]:
+    def __call__(
+        self, logits: torch.Tensor, rows: list[SamplingRow]
+    ) -> list[tuple[int, TokenLogprob | None]]:
         """logits: [S, V] float32, one row per entry of ``rows``."""
         raw = logits
         logits = logits.clone() if any(_needs_edit(r) for r in rows) else logits
@@ -135,7 +137,9 @@ def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
     if p.repetition_penalty != 1.0:
         seen = ids.unique()
         vals = logits[seen]
-        logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        logits[seen] = torch.where(
+            vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+        )
     out_ids = ids[row.num_prompt_tokens :]
     if out_ids.numel() and (p.presence_penalty or p.frequency_penalty):
         counts = torch.bincount(out_ids, minlength=logits.shape[0]).to(logits.dtype)

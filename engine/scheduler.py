@@ -176,7 +176,10 @@ class Scheduler:
         req.hold_kv = False
         self._finish(req, FinishReason.ABORT)
         return RequestOutput(
-            request_id, [], finish_reason=FinishReason.ABORT, num_prompt_tokens=req.num_prompt_tokens
+            request_id,
+            [],
+            finish_reason=FinishReason.ABORT,
+            num_prompt_tokens=req.num_prompt_tokens,
         )
 
     def release_held(self, request_id: str) -> bool:
@@ -227,8 +230,11 @@ class Scheduler:
         need = self._blocks_for(req.num_computed_tokens + num_new) - len(req.block_ids)
         while need > self.pool.num_free:
             victim = next(
-                (r for r in reversed(self.running)
-                 if r is not req and r.request_id not in scheduled),
+                (
+                    r
+                    for r in reversed(self.running)
+                    if r is not req and r.request_id not in scheduled
+                ),
                 None,
             )
             if victim is None:
@@ -242,9 +248,7 @@ class Scheduler:
 
     def _admit(self, budget: int, out: SchedulerOutput) -> None:
         while (
-            self.waiting
-            and budget > 0
-            and len(self.running) + len(self.remote) < self.max_num_seqs
+            self.waiting and budget > 0 and len(self.running) + len(self.remote) < self.max_num_seqs
         ):
             req = self.waiting[0]
             hits: list[int] = []
@@ -324,9 +328,7 @@ class Scheduler:
     @property
     def num_queued_prompt_tokens(self) -> int:
         """Prompt tokens admitted but not yet computed (the prefill load signal)."""
-        running = sum(
-            max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in self.running
-        )
+        running = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in self.running)
         return running + sum(r.num_prompt_tokens - r.num_computed_tokens for r in self.waiting)
 
     def has_work(self) -> bool:

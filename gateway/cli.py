@@ -23,8 +23,11 @@ from gateway.launcher import ClusterSpec, LocalCluster
 def _cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="bundled name, .gguf or checkpoint dir")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    p.add_argument("--single-process", action="store_true",
-                   help="one worker runs prefill and decode (no KV transfer)")
+    p.add_argument(
+        "--single-process",
+        action="store_true",
+        help="one worker runs prefill and decode (no KV transfer)",
+    )
     p.add_argument("--transport", default="shm", choices=("shm", "gloo", "cuda_ipc", "nccl"))
     p.add_argument("--prefill-workers", type=int, default=1)
     p.add_argument("--decode-workers", type=int, default=1)
@@ -45,8 +48,9 @@ def _spec(args: argparse.Namespace, gateway_port: int = 0) -> ClusterSpec:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="baton", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="baton", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="start a local deployment and stream one completion")
     _cluster_args(run)
@@ -67,18 +71,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         return client.main(argv[1:])
     args = _parser().parse_args(argv)
     if args.command == "run":
-        print("baton: starting gateway, prefill and decode workers "
-              "(the first start converts the model; later ones take seconds)...", file=sys.stderr)
+        print(
+            "baton: starting gateway, prefill and decode workers "
+            "(the first start converts the model; later ones take seconds)...",
+            file=sys.stderr,
+        )
         with LocalCluster(_spec(args)) as cluster:
-            flags = ["--address", cluster.gateway_address, "--max-tokens", str(args.max_tokens),
-                     "--temperature", str(args.temperature)]
+            flags = [
+                "--address",
+                cluster.gateway_address,
+                "--max-tokens",
+                str(args.max_tokens),
+                "--temperature",
+                str(args.temperature),
+            ]
             if not args.raw:
                 flags.append("--chat")
             return client.main([*flags, args.prompt])
     with LocalCluster(_spec(args, args.gateway_port)) as cluster:
-        print(f"baton: serving on {cluster.gateway_address} "
-              f"(decode {cluster.addresses('decode')}, prefill {cluster.addresses('prefill')}); "
-              "Ctrl-C stops", file=sys.stderr)
+        print(
+            f"baton: serving on {cluster.gateway_address} "
+            f"(decode {cluster.addresses('decode')}, prefill {cluster.addresses('prefill')}); "
+            "Ctrl-C stops",
+            file=sys.stderr,
+        )
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         try:
             while all(p.popen.poll() is None for p in cluster.procs):

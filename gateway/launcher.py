@@ -92,16 +92,34 @@ class LocalCluster:
 
     def start(self) -> None:
         s = self.spec
-        common = ("--model", s.model, "--dtype", s.dtype, "--log-level", s.log_level, *s.worker_args)
+        common = (
+            "--model",
+            s.model,
+            "--dtype",
+            s.dtype,
+            "--log-level",
+            s.log_level,
+            *s.worker_args,
+        )
         workers: list[_Proc] = []
         if s.mode == "single":
             for i in range(s.num_decode):
-                workers.append(self._spawn("decode", i, ["decode_service", "--single-process", *common]))
+                workers.append(
+                    self._spawn("decode", i, ["decode_service", "--single-process", *common])
+                )
         else:
             for i in range(s.num_prefill):
-                workers.append(self._spawn("prefill", i, ["prefill_service", "--transport", s.transport, *common]))
+                workers.append(
+                    self._spawn(
+                        "prefill", i, ["prefill_service", "--transport", s.transport, *common]
+                    )
+                )
             for i in range(s.num_decode):
-                workers.append(self._spawn("decode", i, ["decode_service", "--transport", s.transport, *common]))
+                workers.append(
+                    self._spawn(
+                        "decode", i, ["decode_service", "--transport", s.transport, *common]
+                    )
+                )
         deadline = time.monotonic() + s.start_timeout_s
         for proc in workers:
             self._await_port(proc, deadline)
@@ -142,16 +160,28 @@ class LocalCluster:
         popen.wait()
 
     def logs(self) -> str:
-        return "\n".join(f"== {p.kind} ({p.log})\n{p.log.read_text(errors='replace')[-4000:]}"
-                         for p in self.procs if p.log.exists())
+        return "\n".join(
+            f"== {p.kind} ({p.log})\n{p.log.read_text(errors='replace')[-4000:]}"
+            for p in self.procs
+            if p.log.exists()
+        )
 
     # -- internals --------------------------------------------------------------------
 
     def _spawn(self, kind: str, index: int, argv: list[str], port: int = 0) -> _Proc:
         port_file = self.workdir / f"{kind}-{index}.port"
         log = self.workdir / f"{kind}-{index}.log"
-        cmd = [sys.executable, "-m", *argv, "--host", "127.0.0.1", "--port", str(port),
-               "--port-file", str(port_file)]
+        cmd = [
+            sys.executable,
+            "-m",
+            *argv,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--port-file",
+            str(port_file),
+        ]
         cpus = self.spec.cpus.get(kind)
         env = dict(os.environ)
         if cpus:
@@ -163,8 +193,9 @@ class LocalCluster:
                 os.sched_setaffinity(0, cpus)
 
         with open(log, "wb") as out:
-            popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                     preexec_fn=pin if cpus else None)
+            popen = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=pin if cpus else None
+            )
         proc = _Proc(kind, popen, port_file, log)
         self.procs.append(proc)
         return proc
@@ -175,8 +206,10 @@ class LocalCluster:
                 proc.address = f"127.0.0.1:{int(proc.port_file.read_text())}"
                 return
             if proc.popen.poll() is not None:
-                raise RuntimeError(f"{proc.kind} exited with {proc.popen.returncode} while "
-                                   f"starting:\n{proc.log.read_text(errors='replace')[-3000:]}")
+                raise RuntimeError(
+                    f"{proc.kind} exited with {proc.popen.returncode} while "
+                    f"starting:\n{proc.log.read_text(errors='replace')[-3000:]}"
+                )
             time.sleep(0.05)
         raise TimeoutError(f"{proc.kind} did not report its port in time; log: {proc.log}")
 
@@ -194,8 +227,10 @@ def wait_serving(address: str, timeout_s: float, proc: _Proc | None = None) -> N
             except grpc.RpcError:
                 pass
             if proc is not None and proc.popen.poll() is not None:
-                raise RuntimeError(f"{proc.kind} exited with {proc.popen.returncode}:\n"
-                                   f"{proc.log.read_text(errors='replace')[-3000:]}")
+                raise RuntimeError(
+                    f"{proc.kind} exited with {proc.popen.returncode}:\n"
+                    f"{proc.log.read_text(errors='replace')[-3000:]}"
+                )
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{address} did not become SERVING in time")
             time.sleep(0.1)

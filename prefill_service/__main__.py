@@ -16,11 +16,15 @@ from rpc.worker_config import WorkerConfig
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        cfg = WorkerConfig.from_args("prefill", list(sys.argv[1:] if argv is None else argv), os.environ)
+        cfg = WorkerConfig.from_args(
+            "prefill", list(sys.argv[1:] if argv is None else argv), os.environ
+        )
     except ValueError as err:
         print(f"prefill_service: {err}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         asyncio.run(_run(cfg))
     except ValueError as err:
@@ -33,7 +37,9 @@ async def _run(cfg: WorkerConfig) -> None:
     servicer = PrefillServicer(cfg)
     spec = ServerSpec(
         name="prefill",
-        register=lambda server: worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server),
+        register=lambda server: worker_pb2_grpc.add_PrefillWorkerServicer_to_server(
+            servicer, server
+        ),
         service_names=(SERVICE_NAME,),
         host=cfg.host,
         port=cfg.port,

@@ -21,20 +21,23 @@ logger = logging.getLogger(__name__)
 
 
 class KVOutbox:
-    def __init__(self, kind: str, kv_cache: torch.Tensor, layout: KVLayout,
-                 loop: asyncio.AbstractEventLoop):
+    def __init__(
+        self, kind: str, kv_cache: torch.Tensor, layout: KVLayout, loop: asyncio.AbstractEventLoop
+    ):
         self._loop = loop
         self._waiters: dict[str, asyncio.Future[SendCompletion]] = {}
         self.sender: KVSender = make_sender(kind, kv_cache, layout, notify=self._notify)
 
-    def send(self, request_id: str, src_block_ids: list[int], desc: KVDescriptor,
-             timeout_s: float) -> asyncio.Future[SendCompletion]:
+    def send(
+        self, request_id: str, src_block_ids: list[int], desc: KVDescriptor, timeout_s: float
+    ) -> asyncio.Future[SendCompletion]:
         """Queue the copy; the future resolves with the job's completion (never raises)."""
         fut: asyncio.Future[SendCompletion] = self._loop.create_future()
         self._waiters[request_id] = fut
         try:
-            self.sender.submit(SendJob(request_id, tuple(src_block_ids), desc,
-                                       time.monotonic() + timeout_s))
+            self.sender.submit(
+                SendJob(request_id, tuple(src_block_ids), desc, time.monotonic() + timeout_s)
+            )
         except BaseException:
             self._waiters.pop(request_id, None)
             raise

@@ -53,8 +53,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         core = await asyncio.to_thread(_build_core, self.cfg)
         self.engine = AsyncEngine(core)
         await self.engine.start()
-        self.outbox = KVOutbox(self.cfg.transport, core.runner.kv_cache, core.layout,
-                               asyncio.get_running_loop())
+        self.outbox = KVOutbox(
+            self.cfg.transport, core.runner.kv_cache, core.layout, asyncio.get_running_loop()
+        )
         logger.info("prefill worker ready (incarnation %s)", self._incarnation)
 
     async def close(self) -> None:
@@ -65,13 +66,21 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         if self.engine is not None:
             await self.engine.shutdown()
 
-    async def Stats(self, request: worker_pb2.StatsRequest, context: grpc.aio.ServicerContext) -> worker_pb2.WorkerStats:
+    async def Stats(
+        self, request: worker_pb2.StatsRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.WorkerStats:
         engine = self._engine()
-        return worker_stats_to_proto("prefill", self._incarnation, await engine.stats(),
-                                     engine.busy_fraction(), engine.core.layout)
+        return worker_stats_to_proto(
+            "prefill",
+            self._incarnation,
+            await engine.stats(),
+            engine.busy_fraction(),
+            engine.core.layout,
+        )
 
     async def Prefill(
-        self, request_iterator: AsyncIterator[worker_pb2.PrefillClientMessage],
+        self,
+        request_iterator: AsyncIterator[worker_pb2.PrefillClientMessage],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[worker_pb2.PrefillServerMessage]:
         engine = self._engine()
@@ -104,12 +113,15 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         if remaining is not None:
             timeout = min(timeout, remaining)
         # Only the first token is sampled here; min_tokens still bars an immediate EOS.
-        first_params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+        first_params = dataclasses.replace(
+            params, max_tokens=1, min_tokens=min(params.min_tokens, 1)
+        )
         out = await _prefill(engine, rid, prompt, first_params)
         sent: asyncio.Future[SendCompletion] | None = None
         try:
-            yield worker_pb2.PrefillServerMessage(first_token=first_token_from_output(
-                dataclasses.replace(out, finish_reason=None)))
+            yield worker_pb2.PrefillServerMessage(
+                first_token=first_token_from_output(dataclasses.replace(out, finish_reason=None))
+            )
             assert out.held_block_ids is not None
             sent = self.outbox.send(rid, out.held_block_ids, desc, timeout)
             completion = await asyncio.shield(sent)
@@ -117,10 +129,14 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 assert completion.error is not None
                 raise completion.error
             assert completion.checksum is not None
-            yield worker_pb2.PrefillServerMessage(transfer_complete=worker_pb2.TransferComplete(
-                request_id=rid, checksum=completion.checksum, epoch=completion.epoch,
-                num_bytes=completion.num_bytes,
-            ))
+            yield worker_pb2.PrefillServerMessage(
+                transfer_complete=worker_pb2.TransferComplete(
+                    request_id=rid,
+                    checksum=completion.checksum,
+                    epoch=completion.epoch,
+                    num_bytes=completion.num_bytes,
+                )
+            )
             ack = await asyncio.wait_for(anext(incoming, None), timeout)
             if ack is None or ack.WhichOneof("message") != "ack":
                 raise AbortedError(f"request {rid}: decode closed the stream without an ack")
@@ -149,7 +165,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         return self.engine
 
 
-async def _prefill(engine: AsyncEngine, rid: str, prompt: list[int], params: SamplingParams) -> RequestOutput:
+async def _prefill(
+    engine: AsyncEngine, rid: str, prompt: list[int], params: SamplingParams
+) -> RequestOutput:
     out: RequestOutput | None = None
     async for item in engine.generate(rid, prompt, params, hold_kv=True):
         out = item

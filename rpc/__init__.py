@@ -1,1 +1,4 @@
-"""What the three services share on the wire side: lifecycle, error mapping, proto<->engine conversion."""
+"""What the three services share on the wire side.
+
+Server lifecycle, error mapping, proto<->engine conversion, worker configuration.
+"""

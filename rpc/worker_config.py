@@ -150,7 +150,9 @@ def defaults(role: str) -> dict[str, Any]:
     """Every flag's default for ``role`` (for the README's configuration table)."""
     cfg = WorkerConfig(role=role, engine=EngineConfig())
     out = {f.name: getattr(cfg.engine, f.name) for f in dataclasses.fields(cfg.engine)}
-    out.update({f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "engine"})
+    out.update(
+        {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "engine"}
+    )
     return out
 
 
@@ -162,8 +164,12 @@ def _parser(role: str, prefix: str) -> argparse.ArgumentParser:
         "a flag on the command line wins.",
     )
     if role != "prefill":
-        p.add_argument("--single-process", action="store_true", dest="_single",
-                       help="run prefill and decode in this one engine (role=both)")
+        p.add_argument(
+            "--single-process",
+            action="store_true",
+            dest="_single",
+            help="run prefill and decode in this one engine (role=both)",
+        )
     for name in _FIELDS:
         p.add_argument("--" + name.replace("_", "-"), dest=name, help=_HELP[name])
     return p

@@ -16,8 +16,13 @@ from tests.engine_helpers import make_core
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
-async def _collect(engine: AsyncEngine, rid: str, prompt: list[int], params: SamplingParams,
-                   log: list[str] | None = None) -> list[int]:
+async def _collect(
+    engine: AsyncEngine,
+    rid: str,
+    prompt: list[int],
+    params: SamplingParams,
+    log: list[str] | None = None,
+) -> list[int]:
     out: list[int] = []
     async for o in engine.generate(rid, prompt, params):
         out.extend(o.new_token_ids)
@@ -43,7 +48,9 @@ async def engine(tiny_llama: Path):
     await eng.shutdown()
 
 
-async def test_32_concurrent_requests_interleave_and_match_sync(tiny_llama: Path, engine: AsyncEngine) -> None:
+async def test_32_concurrent_requests_interleave_and_match_sync(
+    tiny_llama: Path, engine: AsyncEngine
+) -> None:
     prompts = [[100 + i] * (5 + 3 * i) for i in range(32)]
     ref = make_core(tiny_llama).generate(prompts, GREEDY)
     log: list[str] = []
@@ -62,7 +69,9 @@ async def test_32_concurrent_requests_interleave_and_match_sync(tiny_llama: Path
 
 async def test_abort_mid_generation_frees_all_blocks(engine: AsyncEngine) -> None:
     seen = 0
-    async for out in engine.generate("a", list(range(200, 260)), SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)):
+    async for out in engine.generate(
+        "a", list(range(200, 260)), SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)
+    ):
         seen += len(out.new_token_ids)
         if seen >= 3:
             break
@@ -74,7 +83,9 @@ async def test_explicit_abort_ends_stream_with_abort_reason(engine: AsyncEngine)
     reasons = []
 
     async def consume() -> None:
-        async for out in engine.generate("b", [5, 6, 7], SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True)):
+        async for out in engine.generate(
+            "b", [5, 6, 7], SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True)
+        ):
             if out.finish_reason is not None:
                 reasons.append(out.finish_reason)
 
@@ -91,10 +102,18 @@ async def test_seeded_sampling_is_reproducible_regardless_of_company(engine: Asy
     alone = await _collect(engine, "s1", [11, 12, 13], params)
     crowd = await asyncio.gather(
         _collect(engine, "s2", [11, 12, 13], params),
-        *[_collect(engine, f"n{i}", [20 + i] * 9, SamplingParams(max_tokens=16, temperature=1.0)) for i in range(5)],
+        *[
+            _collect(engine, f"n{i}", [20 + i] * 9, SamplingParams(max_tokens=16, temperature=1.0))
+            for i in range(5)
+        ],
     )
     assert alone == crowd[0]
-    other = await _collect(engine, "s3", [11, 12, 13], SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=99))
+    other = await _collect(
+        engine,
+        "s3",
+        [11, 12, 13],
+        SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=99),
+    )
     assert other != alone
 
 
@@ -115,13 +134,17 @@ async def test_invalid_requests_raise_value_error_and_allocate_nothing(
     await _wait_all_free(engine)
 
 
-async def test_reserve_then_kv_ready_continues_from_the_first_token(tiny_llama: Path, engine: AsyncEngine) -> None:
+async def test_reserve_then_kv_ready_continues_from_the_first_token(
+    tiny_llama: Path, engine: AsyncEngine
+) -> None:
     prompt = list(range(300, 340))
     ref = make_core(tiny_llama).generate([prompt], GREEDY)[0]
     # Pretend a prefill worker filled the blocks: compute the prompt's KV with a hold_kv
     # request on the same engine, then copy its blocks into the lease.
     held = None
-    async for out in engine.generate("p", prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), hold_kv=True):
+    async for out in engine.generate(
+        "p", prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), hold_kv=True
+    ):
         held = out
     assert held is not None and held.held_block_ids
     lease, stream = await engine.reserve("d", prompt, GREEDY)

@@ -528,7 +528,9 @@ class BlockPoolMachine(RuleBasedStateMachine):
 
 TestBlockPoolMachine = BlockPoolMachine.TestCase
 TestBlockPoolMachine.settings = settings(
-    max_examples=150, stateful_step_count=40, deadline=None,
+    max_examples=150,
+    stateful_step_count=40,
+    deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
 

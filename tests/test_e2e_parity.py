@@ -25,7 +25,9 @@ NUM_STREAMS = 32
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
     rng = random.Random(7)
-    return [[rng.randrange(1000, 40000) for _ in range(rng.randint(4, 120))] for _ in range(NUM_STREAMS)]
+    return [
+        [rng.randrange(1000, 40000) for _ in range(rng.randint(4, 120))] for _ in range(NUM_STREAMS)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +44,10 @@ def reference(smollm2: ModelFiles, prompts: list[list[int]]) -> list[tuple[list[
 def cluster(request: pytest.FixtureRequest, smollm2: ModelFiles) -> Iterator[LocalCluster]:
     mode, transport = request.param
     spec = ClusterSpec(
-        model=str(smollm2.path), mode=mode, transport=transport, dtype="float32",
+        model=str(smollm2.path),
+        mode=mode,
+        transport=transport,
+        dtype="float32",
         worker_args=("--num-blocks", "1024", "--max-num-seqs", "32"),
     )
     with LocalCluster(spec) as c:
@@ -67,8 +72,10 @@ def test_greedy_equals_hf_for_32_concurrent_streams(
             return await asyncio.gather(*[_tokens(client, p) for p in prompts])
 
     results = asyncio.run(run())
-    verdicts = [compare_greedy(ours, ref, logits)
-                for (ours, _), (ref, logits) in zip(results, reference, strict=True)]
+    verdicts = [
+        compare_greedy(ours, ref, logits)
+        for (ours, _), (ref, logits) in zip(results, reference, strict=True)
+    ]
     print(f"equal={verdicts.count('equal')} ties={verdicts.count('tie')} of {len(verdicts)}")
     assert "mismatch" not in verdicts, verdicts
     assert verdicts.count("tie") <= 2, verdicts

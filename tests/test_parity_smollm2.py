@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 NEW_TOKENS = 32
 TEXTS = [
     "The capital of France is",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "Once upon a time, in a small village by the sea, there lived an old fisherman who",
     "Q: What is 17 + 25?\nA:",
     "List three colors:",
@@ -75,8 +75,10 @@ def test_greedy_matches_hf_generate(
         compare_greedy(o, ref, logits) for o, (ref, logits) in zip(ours, reference, strict=True)
     ]
     ties = verdicts.count("tie")
-    print(f"[{name}] equal={verdicts.count('equal')} ties={ties} of {len(prompts)}; "
-          f"preemptions={core.stats().num_preemptions}")
+    print(
+        f"[{name}] equal={verdicts.count('equal')} ties={ties} of {len(prompts)}; "
+        f"preemptions={core.stats().num_preemptions}"
+    )
     assert "mismatch" not in verdicts, verdicts
     assert ties <= 1, f"{ties} top-1 ties in {len(prompts)} prompts is too many: {verdicts}"
     if name == "preemption":

@@ -11,8 +11,14 @@ from engine.sampling_params import SamplingParams
 V = 50
 
 
-def _row(params: SamplingParams, *, n_out: int = 5, seed_gen: int | None = None, eos: int = 2,
-         ids: list[int] | None = None) -> SamplingRow:
+def _row(
+    params: SamplingParams,
+    *,
+    n_out: int = 5,
+    seed_gen: int | None = None,
+    eos: int = 2,
+    ids: list[int] | None = None,
+) -> SamplingRow:
     gen = None
     if seed_gen is not None:
         gen = torch.Generator().manual_seed(seed_gen)
@@ -29,9 +35,14 @@ def test_greedy_is_argmax() -> None:
     assert [t for t, _ in out] == logits.argmax(-1).tolist()
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, top_k=1),
-                                    SamplingParams(temperature=1.0, top_p=1e-6),
-                                    SamplingParams(temperature=1.0, min_p=1.0)])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0, top_k=1),
+        SamplingParams(temperature=1.0, top_p=1e-6),
+        SamplingParams(temperature=1.0, min_p=1.0),
+    ],
+)
 def test_degenerate_filters_reduce_to_greedy(params: SamplingParams) -> None:
     logits = _logits(6, seed=1)
     out = Sampler(torch.device("cpu"), 0)(logits, [_row(params)] * 6)
@@ -41,7 +52,9 @@ def test_degenerate_filters_reduce_to_greedy(params: SamplingParams) -> None:
 def test_top_k_never_leaves_the_top_k() -> None:
     logits = _logits(1, seed=2).repeat(200, 1)
     top3 = set(logits[0].topk(3).indices.tolist())
-    out = Sampler(torch.device("cpu"), 0)(logits, [_row(SamplingParams(temperature=5.0, top_k=3))] * 200)
+    out = Sampler(torch.device("cpu"), 0)(
+        logits, [_row(SamplingParams(temperature=5.0, top_k=3))] * 200
+    )
     picked = {t for t, _ in out}
     assert picked <= top3 and len(picked) > 1
 
@@ -50,9 +63,13 @@ def test_top_p_keeps_the_smallest_nucleus() -> None:
     logits = torch.full((300, V), -20.0)
     logits[:, 7] = 2.0  # p ~ 0.73
     logits[:, 9] = 1.0  # p ~ 0.27
-    out = Sampler(torch.device("cpu"), 0)(logits, [_row(SamplingParams(temperature=1.0, top_p=0.7))] * 300)
+    out = Sampler(torch.device("cpu"), 0)(
+        logits, [_row(SamplingParams(temperature=1.0, top_p=0.7))] * 300
+    )
     assert {t for t, _ in out} == {7}
-    out = Sampler(torch.device("cpu"), 0)(logits, [_row(SamplingParams(temperature=1.0, top_p=0.9))] * 300)
+    out = Sampler(torch.device("cpu"), 0)(
+        logits, [_row(SamplingParams(temperature=1.0, top_p=0.9))] * 300
+    )
     assert {t for t, _ in out} == {7, 9}
 
 
@@ -78,7 +95,9 @@ def test_seeded_rows_do_not_depend_on_batch_company() -> None:
 
 def test_logprobs_report_chosen_rank_and_top_n() -> None:
     logits = _logits(2, seed=5)
-    out = Sampler(torch.device("cpu"), 0)(logits, [_row(SamplingParams(temperature=0, logprobs=3))] * 2)
+    out = Sampler(torch.device("cpu"), 0)(
+        logits, [_row(SamplingParams(temperature=0, logprobs=3))] * 2
+    )
     ref = torch.log_softmax(logits, -1)
     for i, (tok, lp) in enumerate(out):
         assert lp is not None and lp.token_id == tok and lp.rank == 1

@@ -214,8 +214,12 @@ def test_preempted_requests_finish_with_the_unconstrained_tokens(
     roomy = run(workload(), num_blocks=64, block_size=4, max_num_batched_tokens=24)
     assert roomy.sched.num_preemptions == 0
     tight = run(
-        workload(), overlapped=overlapped, num_blocks=8, block_size=4,
-        max_num_batched_tokens=24, enable_prefix_caching=prefix_caching,
+        workload(),
+        overlapped=overlapped,
+        num_blocks=8,
+        block_size=4,
+        max_num_batched_tokens=24,
+        enable_prefix_caching=prefix_caching,
     )
     assert tight.sched.num_preemptions > 0
     assert tight.tokens == roomy.tokens
@@ -727,8 +731,11 @@ def run_workload(w: dict) -> None:
     """Runs ``w`` to completion; checks limits and accounting at every step, then that
     nothing leaked and every request produced its reference tokens (a prefix if aborted)."""
     sched = make_scheduler(
-        w["num_blocks"], w["block_size"], max_num_seqs=w["max_num_seqs"],
-        max_num_batched_tokens=w["budget"], max_model_len=w["max_model_len"],
+        w["num_blocks"],
+        w["block_size"],
+        max_num_seqs=w["max_num_seqs"],
+        max_num_batched_tokens=w["budget"],
+        max_model_len=w["max_model_len"],
         enable_prefix_caching=w["prefix_caching"],
     )
     d = Driver.build(sched, overlapped=w["overlapped"], on_step=check_decode_first)

@@ -18,8 +18,11 @@ def test_flags_win_over_environment() -> None:
 
 
 def test_prefill_reads_its_own_prefix_and_single_process_reads_decode_s() -> None:
-    env = {"BATON_PREFILL_TRANSPORT": "gloo", "BATON_DECODE_TRANSPORT": "shm",
-           "BATON_DECODE_ENABLE_PREFIX_CACHING": "false"}
+    env = {
+        "BATON_PREFILL_TRANSPORT": "gloo",
+        "BATON_DECODE_TRANSPORT": "shm",
+        "BATON_DECODE_ENABLE_PREFIX_CACHING": "false",
+    }
     assert WorkerConfig.from_args("prefill", [], env).transport == "gloo"
     both = WorkerConfig.from_args("both", ["--single-process"], env)
     assert both.transport == "shm" and both.engine.enable_prefix_caching is False

@@ -166,9 +166,7 @@ class LlamaForCausalLM(nn.Module):
                 filled.add(name)
             seen.add(name)
         missing = [
-            n
-            for n in params
-            if n not in filled and not any(f.startswith(f"{n}:") for f in filled)
+            n for n in params if n not in filled and not any(f.startswith(f"{n}:") for f in filled)
         ]
         if missing:
             raise ValueError(f"checkpoint is missing weights for {missing[:5]}")
