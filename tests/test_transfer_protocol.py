@@ -14,6 +14,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+import xxhash
 
 from engine.errors import (
     AbortedError,
@@ -22,6 +23,7 @@ from engine.errors import (
     LayoutMismatchError,
 )
 from engine.kv_layout import KVLayout
+from engine.transfer import block_copy
 from engine.transfer.base import KVReceiver, KVSender, SendJob, TransferConfig
 from engine.transfer.block_copy import Staging, checksum_blocks
 from engine.transfer.factory import make_receiver, make_sender
@@ -166,6 +168,61 @@ def test_checksum_does_not_depend_on_layer_grouping() -> None:
     pool = random_pool(layout, 8, seed=1)
     sums = {checksum_blocks(pool, layout, (3, 1, 6), size, Staging()) for size in (1, 700, 1 << 30)}
     assert len(sums) == 1
+
+
+def test_checksum_is_xxh3_of_the_wire_bytes_however_they_are_cut(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    layout = small_layout("bfloat16", num_layers=5)
+    pool = random_pool(layout, 8, seed=1)
+    ids = (3, 4, 1, 6)  # a run (3, 4) and two single blocks
+    wire = blocks(pool, ids).contiguous().view(-1).view(torch.uint8).numpy()
+    expected = xxhash.xxh3_64_intdigest(wire)
+    for piece in (1, 100, 1 << 30):  # rows per staging piece: one, a few, all
+        monkeypatch.setattr(block_copy, "PIECE_BYTES", piece)
+        for group_bytes in (1, 700, 1 << 30):
+            assert checksum_blocks(pool, layout, ids, group_bytes, Staging()) == expected
+    assert checksum_blocks(pool, layout, (4, 3, 1, 6), 1, Staging()) != expected
+
+
+def test_checksum_sees_one_flipped_byte_anywhere_in_the_leased_blocks() -> None:
+    layout = small_layout("bfloat16", num_layers=2, head_dim=4)
+    pool = random_pool(layout, 6, seed=3)
+    ids = (4, 1, 2)
+    expected = checksum_blocks(pool, layout, ids, 1, Staging())
+    raw = pool.view(torch.uint8)  # the same memory, one byte per element of the last dim
+    leased = torch.zeros(raw.shape, dtype=torch.bool)
+    leased[:, :, :, list(ids)] = True
+    positions = leased.nonzero().tolist()
+    assert len(positions) == len(ids) * layout.block_bytes
+    for pos in positions:
+        raw[tuple(pos)] ^= 0x10
+        assert checksum_blocks(pool, layout, ids, 1, Staging()) != expected, pos
+        raw[tuple(pos)] ^= 0x10
+    # Bytes outside the lease are not covered.
+    raw[:, :, :, 0] ^= 0xFF
+    assert checksum_blocks(pool, layout, ids, 1, Staging()) == expected
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sender_checksum_does_not_depend_on_group_bytes(
+    kind: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    layout = small_layout("bfloat16")
+    reported = set()
+    for group_bytes, piece in ((1, 1), (700, 1 << 20), (1 << 30, 300)):
+        monkeypatch.setattr(block_copy, "PIECE_BYTES", piece)
+        config = replace(SMALL_GROUPS, group_bytes=group_bytes)
+        with connected(kind, layout, config=config) as (sender, receiver, source):
+            desc = receiver.expect("r", (9, 10, 2), 1, deadline())
+            sender.submit(SendJob("r", (4, 5, 0), desc, deadline()))
+            sent = wait_for(sender.poll)
+            assert sent.ok, sent.error
+            receiver.verify("r", sent.checksum or 0, 1)
+            assert wait_for(receiver.poll).ok
+            assert sent.checksum == checksum_blocks(source, layout, (4, 5, 0), 1, Staging())
+            reported.add(sent.checksum)
+    assert len(reported) == 1
 
 
 # -- cancel --------------------------------------------------------------------------------

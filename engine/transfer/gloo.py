@@ -33,6 +33,7 @@ from engine.kv_layout import KVLayout
 from engine.transfer.base import KVEndpoint, Notify, SendJob, TransferConfig
 from engine.transfer.block_copy import (
     BlockIndex,
+    HostPool,
     KVChecksum,
     Staging,
     gather,
@@ -109,6 +110,7 @@ class GlooReceiver(LeaseReceiver):
         host, port = parse_address(address or "127.0.0.1:0")
         self._kv = torch.zeros(layout.pool_shape(num_blocks), dtype=torch_dtype(layout),
                                device=device)
+        self._host_kv = HostPool(self._kv) if self._kv.device.type == "cpu" else None
         timeout = timedelta(seconds=self.config.connect_timeout_s)
         try:
             self._store = dist.TCPStore(host, port, None, True, timeout, wait_for_workers=False)
@@ -271,10 +273,8 @@ class GlooReceiver(LeaseReceiver):
                 if g + 1 < len(groups):
                     message, work = post(g + 1)
                 if lease is not None and self._begin_write(lease):
-                    payload = current[GROUP_HEADER_BYTES:].view(self._kv.dtype).view(
-                        group_shape(self.layout, lo, hi, n))
                     try:
-                        scatter(self._kv, lo, hi, index, payload)
+                        self._write(current[GROUP_HEADER_BYTES:], lo, hi, index)
                     finally:
                         self._end_write(lease)
                 else:
@@ -289,6 +289,16 @@ class GlooReceiver(LeaseReceiver):
             with self._cond:
                 lease.arrived = True
                 self._cond.notify()
+
+    def _write(self, payload: torch.Tensor, lo: int, hi: int, index: BlockIndex) -> None:
+        """Land one layer group's wire bytes in the leased blocks."""
+        if self._host_kv is None:
+            scatter(self._kv, lo, hi, index, payload.view(self._kv.dtype).view(
+                group_shape(self.layout, lo, hi, len(index))))
+            return
+        r0, r1 = self._host_kv.rows(lo, hi)
+        rows = payload.numpy().reshape(r1 - r0, len(index), self._host_kv.row_bytes)
+        self._host_kv.scatter(r0, r1, index, rows)
 
     def _claim(self, header: JobHeader) -> Lease | None:
         """The lease this data may land in, or None to discard it."""
@@ -340,6 +350,7 @@ class GlooLink(PeerLink):
         self._pair_group = pair_group
         self._seq = 0
         self._staging = (Staging(pair_group.device), Staging(pair_group.device))
+        self._host_kv = HostPool(kv) if kv.device.type == "cpu" else None
 
     def send(self, job: SendJob, stop: StopCheck) -> tuple[int, int]:
         assert self._pg is not None and self._store is not None
@@ -384,10 +395,13 @@ class GlooLink(PeerLink):
             flags = FLAG_ABORT if stopped is not None else 0
             self._pair_group.set_header(message, [header.seq, g, flags, size])
             if stopped is None:
-                payload = message[GROUP_HEADER_BYTES:].view(self._kv.dtype).view(
-                    group_shape(self._layout, lo, hi, n))
-                gather(self._kv, lo, hi, src, payload)
-                checksum.update(payload)
+                payload = message[GROUP_HEADER_BYTES:]
+                if self._host_kv is not None:  # gathered and hashed a cache-sized piece at a time
+                    self._host_kv.stream(lo, hi, src, checksum, out=payload.numpy())
+                else:
+                    staged = payload.view(self._kv.dtype).view(group_shape(self._layout, lo, hi, n))
+                    gather(self._kv, lo, hi, src, staged)
+                    checksum.update(staged)
                 nbytes += size
             inflight.append(pg.send([message], RECEIVER_RANK, tag))
             if stopped is not None:

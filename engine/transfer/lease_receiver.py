@@ -36,7 +36,7 @@ from engine.transfer.base import (
     RecvCompletion,
     TransferConfig,
 )
-from engine.transfer.block_copy import Staging, checksum_blocks
+from engine.transfer.block_copy import HostPool, Staging, checksum_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +92,7 @@ class LeaseReceiver(KVReceiver):
         self._done: deque[RecvCompletion] = deque()
         self._closing = False
         self._staging: Staging | None = None  # made on first verify, on the pool's device
+        self._verify_pool: HostPool | None = None  # the CPU pool as bytes; first verify
         self._worker: threading.Thread | None = None
 
     def _start_worker(self) -> None:
@@ -279,10 +280,12 @@ class LeaseReceiver(KVReceiver):
 
     def _check(self, lease: Lease) -> BatonError | None:
         assert lease.reported_checksum is not None
+        kv = self.kv_cache
         if self._staging is None:
-            self._staging = Staging(self.kv_cache.device)
-        actual = checksum_blocks(self.kv_cache, self.layout, lease.block_ids,
-                                 self.config.group_bytes, self._staging)
+            self._staging = Staging(kv.device)
+            self._verify_pool = HostPool(kv) if kv.device.type == "cpu" else None
+        actual = checksum_blocks(kv, self.layout, lease.block_ids, self.config.group_bytes,
+                                 self._staging, self._verify_pool)
         if actual != lease.reported_checksum:
             return AbortedError(
                 f"request {lease.request_id}: checksum mismatch, prefill reported "
