@@ -1,11 +1,18 @@
-"""Paged attention in plain torch: writes K/V by slot mapping, reads by block tables.
+"""Paged attention: writes K/V by slot mapping, reads by block tables.
 
-Two formulations, each where it measured fastest on CPU:
-- prefill chunks: torch SDPA per sequence (causal; an explicit mask when the chunk
-  follows cached context);
-- single-token queries: one grouped matmul over the gathered blocks of the whole decode
-  batch. The cache keeps heads outside blocks, so the gather already has the
-  ``[kv_heads, seqs, tokens, head_dim]`` shape the matmul wants.
+Two backends give the same result (fp32 summation order aside):
+
+- the compiled CPU kernel (``engine/kernels``), used on CPU tensors when it loads: it
+  writes the batch's K/V and runs every single-token query straight from the paged
+  blocks through the block table, in fp32 with an exact softmax, parallel over
+  (sequence, kv head), with no gather copy and no padding;
+- plain torch, the portable backend (CPU and GPU). Single-token queries run as one
+  grouped matmul over the gathered blocks of the whole decode batch; the cache keeps heads
+  outside blocks, so the gather already has the ``[kv_heads, seqs, tokens, head_dim]``
+  shape the matmul wants. Scores are scaled, masked and widened to fp32 in one op.
+
+Prefill chunks always run as torch SDPA per sequence (causal; an explicit mask when the
+chunk follows cached context), which measured fastest for multi-token queries.
 """
 
 from __future__ import annotations
@@ -14,7 +21,34 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.forward_context import get_forward_context
+from engine.forward_context import AttentionMetadata, ForwardContext, get_forward_context
+from engine.kernels.cpu import cpu_kernels
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def decode_attention_backend() -> str:
+    """``"cpu-kernel"`` when the compiled kernel loads here, else ``"torch"``.
+
+    Trying the kernel may build it (once per machine); a failure is logged as a warning
+    by ``engine.kernels.cpu`` and the plain-torch path runs. The kernel only ever serves
+    CPU tensors in float32 or bfloat16; everything else runs plain torch either way.
+    """
+    return "cpu-kernel" if cpu_kernels() is not None else "torch"
+
+
+def decode_context_lens(meta: AttentionMetadata) -> torch.Tensor:
+    """Context length (tokens including the query) of each decode row, int64.
+
+    Taken from the metadata when the runner filled it; otherwise derived from the decode
+    mask once per step and kept on the metadata for the other layers.
+    """
+    lens = meta.decode_context_lens
+    if lens is None:
+        assert meta.decode_mask is not None
+        lens = (meta.decode_mask == 0).sum(-1)
+        meta.decode_context_lens = lens
+    return lens
 
 
 class PagedAttention(nn.Module):
@@ -26,29 +60,75 @@ class PagedAttention(nn.Module):
         self.head_dim = head_dim
         self.group = num_heads // num_kv_heads
         self.scale = head_dim**-0.5
+        fits_kernel = head_dim % 16 == 0 and head_dim <= 256 and self.group <= 16
+        # Plain attribute, so a benchmark or test can pin the torch path per layer.
+        self.use_kernel = fits_kernel and decode_attention_backend() == "cpu-kernel"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D] for the batch's new tokens. Returns [T, H*D]."""
         ctx = get_forward_context()
+        if (
+            self.use_kernel
+            and q.is_cpu
+            and q.dtype in _KERNEL_DTYPES
+            and ctx.kv_cache.dtype == q.dtype
+            and ctx.kv_cache.is_contiguous()
+        ):
+            kernels = cpu_kernels()
+            if kernels is not None:
+                return self._forward_kernel(kernels.ops, q, k, v, ctx)
+        return self._forward_torch(q, k, v, ctx)
+
+    def _forward_kernel(self, ops, q, k, v, ctx: ForwardContext) -> torch.Tensor:
+        meta = ctx.attn
+        t = q.shape[0]
+        n_dec = meta.num_decode
+        ops.write_kv(ctx.kv_cache, self.layer_idx, k, v, meta.slot_mapping)
+        out = torch.empty_like(q)
+        if n_dec:
+            qd, od = (q, out) if n_dec == t else (q[:n_dec], out[:n_dec])
+            ops.decode_attention(
+                od,
+                qd,
+                ctx.kv_cache,
+                self.layer_idx,
+                meta.decode_block_tables,
+                decode_context_lens(meta),
+                self.scale,
+            )
+        if meta.prefills:
+            k_cache = ctx.kv_cache[self.layer_idx, 0]
+            v_cache = ctx.kv_cache[self.layer_idx, 1]
+            for p in meta.prefills:
+                rows = slice(p.q_start, p.q_start + p.q_len)
+                out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, p)
+        return out.view(t, self.num_heads * self.head_dim)
+
+    def _forward_torch(self, q, k, v, ctx: ForwardContext) -> torch.Tensor:
         meta = ctx.attn
         k_cache = ctx.kv_cache[self.layer_idx, 0]  # [Hkv, NB, bs, D]
         v_cache = ctx.kv_cache[self.layer_idx, 1]
-        hkv, nb, bs, d = k_cache.shape
-        flat_k = k_cache.view(hkv, nb * bs, d)
-        flat_v = v_cache.view(hkv, nb * bs, d)
-        flat_k.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-        flat_v.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
-
-        out = torch.empty_like(q)
+        t = q.shape[0]
         n_dec = meta.num_decode
+        self._write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if n_dec == t:  # decode-only step: no output copy
+            return self._decode(q, k_cache, v_cache, meta).view(t, -1)
+        out = torch.empty_like(q)
         if n_dec:
             out[:n_dec] = self._decode(q[:n_dec], k_cache, v_cache, meta)
         for p in meta.prefills:
             rows = slice(p.q_start, p.q_start + p.q_len)
             out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, p)
-        return out.view(q.shape[0], self.num_heads * self.head_dim)
+        return out.view(t, self.num_heads * self.head_dim)
+
+    @staticmethod
+    def _write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
+        hkv, nb, bs, d = k_cache.shape
+        k_cache.view(hkv, nb * bs, d).index_copy_(1, slot_mapping, k.transpose(0, 1))
+        v_cache.view(hkv, nb * bs, d).index_copy_(1, slot_mapping, v.transpose(0, 1))
 
     def _decode(self, q, k_cache, v_cache, meta) -> torch.Tensor:
+        """Plain-torch single-token attention of the decode rows; returns [B, H, D]."""
         tables = meta.decode_block_tables  # [B, M]
         b, m = tables.shape
         hkv, _, bs, d = k_cache.shape
@@ -56,8 +136,9 @@ class PagedAttention(nn.Module):
         keys = k_cache.index_select(1, idx).view(hkv, b, m * bs, d)
         values = v_cache.index_select(1, idx).view(hkv, b, m * bs, d)
         qg = q.view(b, hkv, self.group, d).transpose(0, 1)  # [Hkv, B, G, D]
-        scores = torch.matmul(qg, keys.transpose(-1, -2)).float()  # [Hkv, B, G, T]
-        scores = scores * self.scale + meta.decode_mask[None, :, None, :]
+        scores = torch.matmul(qg, keys.transpose(-1, -2))  # [Hkv, B, G, T], q's dtype
+        # One op scales, masks and widens to fp32 (the mask is fp32).
+        scores = torch.add(meta.decode_mask[None, :, None, :], scores, alpha=self.scale)
         probs = torch.softmax(scores, dim=-1).to(values.dtype)
         o = torch.matmul(probs, values)  # [Hkv, B, G, D]
         return o.transpose(0, 1).reshape(b, self.num_heads, d)

@@ -1,4 +1,8 @@
-"""Rotary position embeddings (default, linear and llama3 scaling), HF rotate-half style."""
+"""Rotary position embeddings (default, linear and llama3 scaling), HF rotate-half style.
+
+On CPU the compiled kernel (``engine/kernels``) rotates q and k in one op, rounding after
+each multiply and add exactly as the torch ops below do, so the results are identical.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,10 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from engine.kernels.cpu import cpu_kernels
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -47,11 +55,26 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
+        # Plain attribute, so a benchmark or test can pin the torch path.
+        self.use_kernel = cpu_kernels() is not None
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, H, D], k: [T, Hkv, D]; positions: [T]."""
+        if (
+            self.use_kernel
+            and q.is_cpu
+            and q.dtype in _KERNEL_DTYPES
+            and k.dtype == q.dtype
+            and self.cos.dtype in (q.dtype, torch.float32)
+            and q.stride(-1) == 1
+            and k.stride(-1) == 1
+            and positions.dtype == torch.long
+        ):
+            kernels = cpu_kernels()
+            if kernels is not None:
+                return kernels.ops.rotary(q, k, self.cos, self.sin, positions)
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

@@ -1,0 +1,289 @@
+"""Every attention backend and compiled CPU kernel against a simple reference.
+
+The reference is dense per-sequence attention in float64 over the un-paged K/V. Batches
+mix context lengths (inside a block, on block edges, several blocks), use GQA and block
+tables with shuffled, non-contiguous block ids, and mix decode rows with prefill chunks.
+Kernel cases run only where the compiled kernels load; the plain-torch cases always run,
+so the suite also passes where the kernels fall back.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.forward_context import AttentionMetadata, ForwardContext, PrefillSeq, forward_context
+from engine.kernels import cpu as kernels_cpu
+from engine.layers.attention import PagedAttention, decode_attention_backend
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
+
+KERNELS = kernels_cpu.cpu_kernels()
+needs_kernels = pytest.mark.skipif(KERNELS is None, reason="compiled CPU kernels unavailable")
+BACKENDS = ["torch", pytest.param("cpu-kernel", marks=needs_kernels)]
+DTYPES = [torch.float32, torch.bfloat16]
+# Max abs error against the float64 reference, for outputs of magnitude ~1. The torch path
+# rounds bf16 scores and probabilities; the kernel rounds only its output.
+TOL = {
+    ("torch", torch.float32): 1e-5,
+    ("cpu-kernel", torch.float32): 1e-5,
+    ("torch", torch.bfloat16): 3e-2,
+    ("cpu-kernel", torch.bfloat16): 1e-2,
+}
+
+
+@dataclass
+class Seq:
+    context: int  # tokens in the cache before this step
+    q_len: int  # new tokens this step (1: a decode row)
+
+
+def _attention(heads: int, kv_heads: int, head_dim: int, backend: str) -> PagedAttention:
+    attn = PagedAttention(0, heads, kv_heads, head_dim)
+    attn.use_kernel = backend == "cpu-kernel"
+    return attn
+
+
+def _run(
+    seqs: list[Seq],
+    *,
+    heads: int = 6,
+    kv_heads: int = 2,
+    head_dim: int = 64,
+    dtype: torch.dtype = torch.float32,
+    backend: str = "torch",
+    seed: int = 0,
+    runner_lens: bool = False,
+    block: int = 16,
+) -> tuple[float, torch.Tensor, torch.Tensor]:
+    """Max abs error of one step against the reference, and the cache before/after."""
+    n_dec = sum(s.q_len == 1 for s in seqs)
+    assert all(s.q_len == 1 for s in seqs[:n_dec]), "decode rows come first"
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    totals = [s.context + s.q_len for s in seqs]
+    nblocks = [(t + block - 1) // block for t in totals]
+    num_blocks = sum(nblocks) + 5
+    ids = list(range(1, num_blocks))
+    rng.shuffle(ids)
+    it = iter(ids)
+    tables = [[next(it) for _ in range(n)] for n in nblocks]
+    cache = torch.randn((1, 2, kv_heads, num_blocks, block, head_dim), generator=gen).to(dtype)
+    full_k = [torch.randn((t, kv_heads, head_dim), generator=gen).to(dtype) for t in totals]
+    full_v = [torch.randn((t, kv_heads, head_dim), generator=gen).to(dtype) for t in totals]
+    qs = [torch.randn((s.q_len, heads, head_dim), generator=gen).to(dtype) for s in seqs]
+    for s, tab, k, v in zip(seqs, tables, full_k, full_v, strict=True):
+        for p in range(s.context):
+            cache[0, 0, :, tab[p // block], p % block] = k[p]
+            cache[0, 1, :, tab[p // block], p % block] = v[p]
+    before = cache.clone()
+
+    decode = [i for i, s in enumerate(seqs) if s.q_len == 1]
+    slots, q_rows, k_rows, v_rows, prefills = [], [], [], [], []
+    for i, s in enumerate(seqs):
+        q_start = len(slots)
+        for p in range(s.context, s.context + s.q_len):
+            slots.append(tables[i][p // block] * block + p % block)
+        q_rows.append(qs[i])
+        k_rows.append(full_k[i][s.context :])
+        v_rows.append(full_v[i][s.context :])
+        if s.q_len > 1:
+            prefills.append(PrefillSeq(q_start, s.q_len, s.context, torch.tensor(tables[i])))
+    tables_t = mask = lens = None
+    if decode:
+        width = max(nblocks[i] for i in decode)
+        tables_t = torch.tensor([tables[i] + [0] * (width - len(tables[i])) for i in decode])
+        lens = torch.tensor([totals[i] for i in decode])
+        mask = torch.zeros(len(decode), width * block)
+        mask.masked_fill_(torch.arange(width * block)[None] >= lens[:, None], float("-inf"))
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long),
+        num_decode=len(decode),
+        decode_block_tables=tables_t,
+        decode_mask=mask,
+        prefills=prefills,
+        decode_context_lens=lens if runner_lens else None,
+    )
+    attn = _attention(heads, kv_heads, head_dim, backend)
+    # Project-like inputs: q, k, v are column slices of one packed row, as in the model.
+    q = torch.cat(q_rows)
+    k = torch.cat(k_rows)
+    v = torch.cat(v_rows)
+    packed = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
+    qn, kn = heads * head_dim, kv_heads * head_dim
+    q = packed[:, :qn].view(-1, heads, head_dim)
+    k = packed[:, qn : qn + kn].view(-1, kv_heads, head_dim)
+    v = packed[:, qn + kn :].view(-1, kv_heads, head_dim)
+    with torch.inference_mode(), forward_context(ForwardContext(meta, cache)):
+        out = attn(q, k, v)
+    assert out.shape == (len(slots), heads * head_dim) and out.dtype == dtype
+
+    group = heads // kv_heads
+    err = 0.0
+    row = 0
+    for i, s in enumerate(seqs):
+        kk = full_k[i].double().repeat_interleave(group, dim=1)  # [L, H, D]
+        vv = full_v[i].double().repeat_interleave(group, dim=1)
+        qq = qs[i].double()  # [n, H, D]
+        scores = torch.einsum("nhd,lhd->hnl", qq, kk) * head_dim**-0.5
+        qpos = torch.arange(s.context, s.context + s.q_len)[:, None]
+        scores = scores.masked_fill(torch.arange(totals[i])[None] > qpos, float("-inf"))
+        ref = torch.einsum("hnl,lhd->nhd", scores.softmax(-1), vv).reshape(s.q_len, -1)
+        got = out[row : row + s.q_len].double()
+        err = max(err, (got - ref).abs().max().item())
+        row += s.q_len
+    # Every new token's K/V landed in its slot.
+    for i, s in enumerate(seqs):
+        for p in range(s.context, totals[i]):
+            blk, off = tables[i][p // block], p % block
+            assert torch.equal(cache[0, 0, :, blk, off], full_k[i][p])
+            assert torch.equal(cache[0, 1, :, blk, off], full_v[i][p])
+    return err, before, cache
+
+
+MIXED_CONTEXTS = [0, 14, 15, 16, 31, 47, 100, 250]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_batch_mixed_lengths_gqa(backend: str, dtype: torch.dtype) -> None:
+    seqs = [Seq(c, 1) for c in MIXED_CONTEXTS]
+    err, _, _ = _run(seqs, dtype=dtype, backend=backend)
+    assert err < TOL[(backend, dtype)], err
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_batch_of_one(backend: str, dtype: torch.dtype) -> None:
+    for context in (0, 17, 300):
+        err, _, _ = _run([Seq(context, 1)], dtype=dtype, backend=backend, seed=context)
+        assert err < TOL[(backend, dtype)], (context, err)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mixed_prefill_and_decode_batch(backend: str, dtype: torch.dtype) -> None:
+    # Decode rows first, then a prompt from scratch and a chunk after cached context.
+    seqs = [Seq(40, 1), Seq(5, 1), Seq(129, 1), Seq(0, 23), Seq(37, 19)]
+    err, _, _ = _run(seqs, dtype=dtype, backend=backend, seed=1)
+    assert err < TOL[(backend, dtype)], err
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 4, 32), (8, 1, 128), (9, 3, 48)])
+def test_head_shapes(backend: str, heads: int, kv_heads: int, head_dim: int) -> None:
+    seqs = [Seq(c, 1) for c in (3, 16, 70)] + [Seq(20, 9)]
+    err, _, _ = _run(seqs, heads=heads, kv_heads=kv_heads, head_dim=head_dim, backend=backend)
+    assert err < 1e-5, err
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("block", [8, 32])
+def test_other_block_sizes(backend: str, block: int) -> None:
+    seqs = [Seq(c, 1) for c in (0, 7, 8, 9, 33, 95)] + [Seq(12, 21)]
+    err, _, _ = _run(seqs, backend=backend, block=block, seed=block)
+    assert err < 1e-5, err
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernel_splits_long_contexts_of_small_batches(dtype: torch.dtype) -> None:
+    # Fewer (sequence, kv head) pairs than two per thread: contexts split into parts,
+    # one of which is empty for the short sequence.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        for seqs in ([Seq(999, 1)], [Seq(19, 1), Seq(700, 1)]):
+            err, _, _ = _run(seqs, heads=4, kv_heads=1, dtype=dtype, backend="cpu-kernel")
+            assert err < TOL[("cpu-kernel", dtype)], (seqs, err)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernels
+def test_runner_filled_context_lens_give_the_same_result() -> None:
+    seqs = [Seq(c, 1) for c in MIXED_CONTEXTS]
+    a = _run(seqs, backend="cpu-kernel", runner_lens=True)
+    b = _run(seqs, backend="cpu-kernel", runner_lens=False)
+    assert a[0] < 1e-5 and torch.equal(a[2], b[2])
+
+
+@needs_kernels
+def test_kernel_leaves_other_slots_alone() -> None:
+    seqs = [Seq(c, 1) for c in (3, 40)] + [Seq(0, 5)]
+    _, before, after = _run(seqs, backend="cpu-kernel")
+    _, before_t, after_t = _run(seqs, backend="torch")
+    assert torch.equal(before, before_t) and torch.equal(after, after_t)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_kernel_matches_torch(dtype: torch.dtype) -> None:
+    if KERNELS is None:
+        pytest.skip("compiled CPU kernels unavailable")
+    gen = torch.Generator().manual_seed(0)
+    norm = RMSNorm(576, 1e-5).to(dtype)
+    norm.weight.data = torch.randn(576, generator=gen).to(dtype)
+    x = (3 * torch.randn((33, 576), generator=gen)).to(dtype)
+    with torch.inference_mode():
+        norm.use_kernel = True
+        got = norm(x)
+        norm.use_kernel = False
+        ref = norm(x)
+    # Only the fp32 sum of squares may round differently.
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, ref, rtol=1e-6 if dtype == torch.float32 else 8e-3, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_kernel_is_bit_exact(dtype: torch.dtype) -> None:
+    if KERNELS is None:
+        pytest.skip("compiled CPU kernels unavailable")
+    gen = torch.Generator().manual_seed(0)
+    rope = RotaryEmbedding(
+        64,
+        4096,
+        10000.0,
+        {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 1024},
+    )
+    rope = rope.to(dtype)
+    qkv = torch.randn((29, 15 * 64), generator=gen).to(dtype)
+    q = qkv[:, : 9 * 64].view(29, 9, 64)
+    k = qkv[:, 9 * 64 : 12 * 64].view(29, 3, 64)
+    pos = torch.randint(0, 4096, (29,), generator=gen)
+    with torch.inference_mode():
+        rope.use_kernel = True
+        got = rope(pos, q, k)
+        rope.use_kernel = False
+        ref = rope(pos, q, k)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+
+
+@pytest.mark.skipif(KERNELS is None or not KERNELS.bf16_dot, reason="needs AVX512-BF16 build")
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_bf16_matches_fp32_reference(m: int, bias: bool) -> None:
+    assert KERNELS is not None
+    gen = torch.Generator().manual_seed(m)
+    w = (0.05 * torch.randn((130, 576), generator=gen)).bfloat16()
+    x = torch.randn((m, 576), generator=gen).bfloat16()
+    b = torch.randn(130, generator=gen).bfloat16() if bias else None
+    got = KERNELS.ops.linear_bf16(x, w, b)
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+    # One bf16 rounding of the fp32 result, as torch's bf16 linear does.
+    torch.testing.assert_close(got.float(), ref, rtol=4e-3, atol=1e-3)
+
+
+def test_backend_name_and_fallback(monkeypatch: pytest.MonkeyPatch, caplog, tmp_path) -> None:
+    assert decode_attention_backend() in ("cpu-kernel", "torch")
+    monkeypatch.setenv("BATON_CPU_KERNELS", "0")
+    assert kernels_cpu.cpu_kernels.__wrapped__() is None
+    monkeypatch.setenv("BATON_CPU_KERNELS", "1")
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    with caplog.at_level(logging.WARNING, logger="engine.kernels.cpu"):
+        assert kernels_cpu.cpu_kernels.__wrapped__() is None
+    assert "using plain torch" in caplog.text
