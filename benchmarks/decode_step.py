@@ -12,7 +12,9 @@ other work on the machine hits every variant alike:
 - ``kernels+llama``: also the model-file change proposed with them
   (``engine.kernels.ops``): linear layers through the bf16 GEMV kernel up to
   ``GEMV_MAX_ROWS`` rows and oneDNN-prepacked weights above, and SiLU-and-multiply in
-  one op.
+  one op;
+- ``kernels+fused``: also the proposed fused decoder layer (``ops.decode_layer``), one
+  kernel call per layer for decode-only batches of up to ``GEMV_MAX_ROWS`` rows.
 
 It prints, per batch size, the median wall and CPU time of a step (model forward plus
 logits of every row; sampling and batch preparation excluded) and the ratio to
@@ -38,17 +40,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.forward_context import AttentionMetadata, ForwardContext, forward_context
+from engine.forward_context import (
+    AttentionMetadata,
+    ForwardContext,
+    forward_context,
+    get_forward_context,
+)
 from engine.kernels import ops
 from engine.kernels.cpu import cpu_kernels
 from engine.kv_layout import KVLayout
-from engine.layers.attention import PagedAttention
+from engine.layers.attention import PagedAttention, decode_context_lens
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
-from engine.models.llama import MLP, LlamaForCausalLM
+from engine.models.llama import MLP, DecoderLayer, LlamaForCausalLM
 
 BLOCK_SIZE = 16
-VARIANTS = ("before", "torch", "sdpa", "kernels", "kernels+llama")
+VARIANTS = ("before", "torch", "sdpa", "kernels", "kernels+llama", "kernels+fused")
 
 SMOLLM2_135M = ModelConfig(
     model_type="llama",
@@ -115,8 +122,6 @@ def make_decode_batch(
 
 def _before_forward(self: PagedAttention, q, k, v):
     """PagedAttention.forward as first committed (gather + grouped matmul)."""
-    from engine.forward_context import get_forward_context
-
     ctx = get_forward_context()
     meta = ctx.attn
     k_cache = ctx.kv_cache[self.layer_idx, 0]
@@ -170,10 +175,30 @@ def _ops_mlp(self: MLP, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
+def _fused_layer_forward(self: DecoderLayer, positions, hidden):
+    """DecoderLayer.forward as proposed: the fused decode layer where it applies."""
+    attn = self.self_attn
+    ctx = get_forward_context()
+    meta = ctx.attn
+    if attn.attn.use_kernel and not meta.prefills and meta.num_decode == hidden.shape[0]:
+        fused = ops.decode_layer(
+            hidden, positions, ctx.kv_cache, attn.attn.layer_idx, meta.slot_mapping,
+            meta.decode_block_tables, decode_context_lens(meta), attn.rope.cos, attn.rope.sin,
+            self.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias,
+            attn.o_proj.weight, self.post_attention_layernorm.weight,
+            self.mlp.gate_up_proj.weight, self.mlp.down_proj.weight, attn.num_heads,
+            self.input_layernorm.eps, attn.attn.scale,
+        )  # fmt: skip
+        if fused is not None:
+            return fused
+    hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden))
+    return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
 def apply_variant(model: nn.Module, variant: str) -> None:
     """Switch every layer of ``model`` to ``variant`` (in place, reversible)."""
     kernels = variant.startswith("kernels")
-    llama = variant == "kernels+llama"
+    llama = variant in ("kernels+llama", "kernels+fused")
     for mod in model.modules():
         if isinstance(mod, PagedAttention | RMSNorm | RotaryEmbedding):
             mod.use_kernel = kernels
@@ -184,6 +209,10 @@ def apply_variant(model: nn.Module, variant: str) -> None:
                 mod.forward = types.MethodType(_before_forward, mod)
             elif variant == "sdpa":
                 mod._decode = types.MethodType(_sdpa_decode, mod)
+        if isinstance(mod, DecoderLayer):
+            mod.__dict__.pop("forward", None)
+            if variant == "kernels+fused":
+                mod.forward = types.MethodType(_fused_layer_forward, mod)
         if isinstance(mod, nn.Linear | MLP):
             mod.__dict__.pop("forward", None)
             if llama:

@@ -17,11 +17,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.config import ModelConfig
 from engine.forward_context import AttentionMetadata, ForwardContext, PrefillSeq, forward_context
 from engine.kernels import cpu as kernels_cpu
+from engine.kernels import ops
 from engine.layers.attention import PagedAttention, decode_attention_backend
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
+from engine.models.llama import DecoderLayer
 
 KERNELS = kernels_cpu.cpu_kernels()
 needs_kernels = pytest.mark.skipif(KERNELS is None, reason="compiled CPU kernels unavailable")
@@ -287,3 +290,119 @@ def test_backend_name_and_fallback(monkeypatch: pytest.MonkeyPatch, caplog, tmp_
     with caplog.at_level(logging.WARNING, logger="engine.kernels.cpu"):
         assert kernels_cpu.cpu_kernels.__wrapped__() is None
     assert "using plain torch" in caplog.text
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_torch(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = (4 * torch.randn((9, 2 * 200), generator=gen)).to(dtype)
+    ref = F.silu(x[:, :200]) * x[:, 200:]
+    got = ops.silu_and_mul(x)
+    # bf16 rounds like torch after each op; fp32 may differ in exp's last bit.
+    torch.testing.assert_close(got, ref, rtol=1e-6 if dtype == torch.float32 else 0, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 17])
+def test_linear_with_packed_weight_matches_f_linear(dtype: torch.dtype, rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    w = (0.05 * torch.randn((96, 64), generator=gen)).to(dtype)
+    b = torch.randn(96, generator=gen).to(dtype)
+    x = torch.randn((rows, 64), generator=gen).to(dtype)
+    packed = ops.pack_linear_weight(w)
+    ref = F.linear(x.float(), w.float(), b.float())
+    got = ops.linear(x, w, b, packed)
+    assert got.dtype == dtype and got.shape == (rows, 96)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), ref, rtol=tol, atol=tol)
+
+
+def _tiny_layer(dtype: torch.dtype) -> tuple[DecoderLayer, ModelConfig]:
+    cfg = ModelConfig(
+        model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
+        max_position_embeddings=512, tie_word_embeddings=False, attention_bias=False,
+        rope_scaling=None, eos_token_ids=(0,), bos_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+    layer = DecoderLayer(cfg, 1, rope).to(dtype).eval()
+    for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+        norm.weight.data.uniform_(0.5, 1.5)
+    return layer, cfg
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    ("dtype", "rows"), [(torch.bfloat16, 1), (torch.bfloat16, 3), (torch.float32, 1)]
+)
+def test_fused_decode_layer_equals_its_kernels(dtype: torch.dtype, rows: int) -> None:
+    assert KERNELS is not None
+    if dtype == torch.bfloat16 and not KERNELS.bf16_dot:
+        pytest.skip("needs AVX512-BF16 build")
+    layer, cfg = _tiny_layer(dtype)
+    block = 16
+    gen = torch.Generator().manual_seed(rows)
+    lens = [37, 5, 70][:rows]
+    tables = [[3, 1, 6], [4, 0, 0], [2, 7, 5, 8, 9]][:rows]
+    width = max(len(t) for t in tables)
+    cache = torch.randn((2, 2, cfg.num_kv_heads, 10, block, cfg.head_dim), generator=gen).to(dtype)
+    hidden = torch.randn((rows, cfg.hidden_size), generator=gen).to(dtype)
+    positions = torch.tensor(lens) - 1
+    lens_t = torch.tensor(lens)
+    mask = torch.zeros(rows, width * block)
+    mask.masked_fill_(torch.arange(width * block)[None] >= lens_t[:, None], float("-inf"))
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([t[(n - 1) // block] * block + (n - 1) % block
+                                   for t, n in zip(tables, lens, strict=True)]),
+        num_decode=rows,
+        decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        decode_mask=mask,
+        prefills=[],
+    )  # fmt: skip
+    attn = layer.self_attn
+    with torch.inference_mode():
+        ref_cache = cache.clone()
+        with forward_context(ForwardContext(meta, ref_cache)):
+            x = layer.input_layernorm(hidden)
+            qkv = ops.linear(x, attn.qkv_proj.weight)
+            q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+            q, k = attn.rope(positions, q.view(rows, -1, 16), k.view(rows, -1, 16))
+            o = attn.attn(q, k, v.view(rows, -1, 16))
+            h1 = hidden + ops.linear(o, attn.o_proj.weight)
+            gate_up = ops.linear(layer.post_attention_layernorm(h1), layer.mlp.gate_up_proj.weight)
+            ref = h1 + ops.linear(ops.silu_and_mul(gate_up), layer.mlp.down_proj.weight)
+        got = ops.decode_layer(
+            hidden, positions, cache, 1, meta.slot_mapping, meta.decode_block_tables, lens_t,
+            attn.rope.cos, attn.rope.sin, layer.input_layernorm.weight, attn.qkv_proj.weight,
+            None, attn.o_proj.weight, layer.post_attention_layernorm.weight,
+            layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight, cfg.num_heads,
+            cfg.rms_norm_eps, attn.attn.scale,
+        )  # fmt: skip
+        # And the plain-torch modules, within rounding.
+        torch_cache = cache.clone()
+        for mod in layer.modules():
+            if hasattr(mod, "use_kernel"):
+                mod.use_kernel = False
+        with forward_context(ForwardContext(meta, torch_cache)):
+            hidden_torch = layer(positions, hidden)
+    assert got is not None
+    assert torch.equal(got, ref) and torch.equal(cache, ref_cache)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float(), hidden_torch.float(), rtol=tol, atol=tol)
+
+
+def test_fused_decode_layer_declines_what_it_does_not_serve() -> None:
+    layer, cfg = _tiny_layer(torch.float32)
+    attn = layer.self_attn
+    cache = torch.zeros((2, 2, cfg.num_kv_heads, 4, 16, cfg.head_dim))
+    two_rows = torch.zeros((2, cfg.hidden_size))  # fp32 serves one row only
+    got = ops.decode_layer(
+        two_rows, torch.zeros(2, dtype=torch.long), cache, 0, torch.zeros(2, dtype=torch.long),
+        torch.zeros((2, 1), dtype=torch.long), torch.ones(2, dtype=torch.long), attn.rope.cos,
+        attn.rope.sin, layer.input_layernorm.weight, attn.qkv_proj.weight, None,
+        attn.o_proj.weight, layer.post_attention_layernorm.weight,
+        layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight, cfg.num_heads,
+        cfg.rms_norm_eps, attn.attn.scale,
+    )  # fmt: skip
+    assert got is None

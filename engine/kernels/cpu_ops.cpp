@@ -10,7 +10,9 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
@@ -848,6 +850,43 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const std::opti
   return y;
 }
 
+// ---- one decoder layer for a few decode rows ------------------------------------------
+
+// A Llama-family decoder layer (pre-norm attention and SiLU MLP, residuals) over M decode
+// rows, as the ops above compose it, in one call: at batch 1 the per-op dispatch of the
+// Python layer costs about as much as the attention itself. Weights are HF-packed:
+// qkv_w [(H + 2 Hkv) D, C], o_w [C, H D], gate_up_w [2 I, C], down_w [C, I]. bf16 uses
+// the GEMV kernel (M <= 4 expected), float32 uses at::linear.
+at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  if (x.scalar_type() == at::kBFloat16) return linear_bf16(x, w, bias);
+  return at::linear(x, w, bias);
+}
+
+at::Tensor decode_layer(const at::Tensor& hidden, const at::Tensor& positions, at::Tensor& kv_cache, int64_t layer,
+                        const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                        const at::Tensor& context_lens, const at::Tensor& cos, const at::Tensor& sin,
+                        const at::Tensor& in_norm_w, const at::Tensor& qkv_w, const std::optional<at::Tensor>& qkv_b,
+                        const at::Tensor& o_w, const at::Tensor& post_norm_w, const at::Tensor& gate_up_w,
+                        const at::Tensor& down_w, int64_t num_heads, double eps, double scale) {
+  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "decode_layer: hidden must be contiguous [M, C]");
+  const int64_t M = hidden.size(0);
+  const int64_t Hkv = kv_cache.size(2), D = kv_cache.size(5), H = num_heads;
+  TORCH_CHECK(qkv_w.size(0) == (H + 2 * Hkv) * D, "decode_layer: qkv_w rows != (heads + 2 kv_heads) * head_dim");
+  const at::Tensor x = rms_norm(hidden, in_norm_w, eps);
+  const at::Tensor qkv = small_linear(x, qkv_w, qkv_b);
+  const at::Tensor q = qkv.narrow(1, 0, H * D).view({M, H, D});
+  const at::Tensor k = qkv.narrow(1, H * D, Hkv * D).view({M, Hkv, D});
+  const at::Tensor v = qkv.narrow(1, (H + Hkv) * D, Hkv * D).view({M, Hkv, D});
+  auto [qr, kr] = rotary(q, k, cos, sin, positions);
+  write_kv(kv_cache, layer, kr, v, slot_mapping);
+  at::Tensor attn = at::empty({M, H, D}, hidden.options());
+  decode_attention(attn, qr, kv_cache, layer, block_tables, context_lens, scale);
+  const at::Tensor h1 = at::add(hidden, small_linear(attn.view({M, H * D}), o_w, std::nullopt));
+  const at::Tensor x2 = rms_norm(h1, post_norm_w, eps);
+  const at::Tensor act = silu_and_mul(small_linear(x2, gate_up_w, std::nullopt));
+  return at::add(h1, small_linear(act, down_w, std::nullopt));
+}
+
 }  // namespace
 
 TORCH_LIBRARY(baton_cpu, m) {
@@ -859,6 +898,11 @@ TORCH_LIBRARY(baton_cpu, m) {
   m.def("rotary(Tensor q, Tensor k, Tensor cos, Tensor sin, Tensor positions) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("linear_bf16(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def(
+      "decode_layer(Tensor hidden, Tensor positions, Tensor(a!) kv_cache, int layer, Tensor slot_mapping, "
+      "Tensor block_tables, Tensor context_lens, Tensor cos, Tensor sin, Tensor in_norm_w, Tensor qkv_w, "
+      "Tensor? qkv_b, Tensor o_w, Tensor post_norm_w, Tensor gate_up_w, Tensor down_w, int num_heads, "
+      "float eps, float scale) -> Tensor");
   m.def("has_bf16_dot() -> bool", &has_bf16_dot);
 }
 
@@ -869,4 +913,5 @@ TORCH_LIBRARY_IMPL(baton_cpu, CPU, m) {
   m.impl("rotary", &rotary);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("linear_bf16", &linear_bf16);
+  m.impl("decode_layer", &decode_layer);
 }

@@ -84,3 +84,65 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
             return kernels.ops.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def decode_layer(
+    hidden: torch.Tensor,
+    positions: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    in_norm_w: torch.Tensor,
+    qkv_w: torch.Tensor,
+    qkv_b: torch.Tensor | None,
+    o_w: torch.Tensor,
+    post_norm_w: torch.Tensor,
+    gate_up_w: torch.Tensor,
+    down_w: torch.Tensor,
+    num_heads: int,
+    eps: float,
+    scale: float,
+) -> torch.Tensor | None:
+    """A whole Llama decoder layer over a few decode rows in one kernel call, or None.
+
+    Computes ``h = hidden + o(attn(rope(qkv(norm(hidden))))); h + down(silu_mul(gate_up(
+    norm2(h))))`` exactly as the separate kernels do (bit-identical to them), writing the
+    rows' K/V like the attention layer. Only for decode-only batches of at most
+    ``GEMV_MAX_ROWS`` bf16 rows (one fp32 row), where per-op dispatch costs as much as
+    the attention itself; returns None anywhere else, and the caller runs its modules.
+    """
+    rows = hidden.shape[0]
+    if not (hidden.is_cpu and hidden.dim() == 2 and hidden.is_contiguous()):
+        return None
+    if hidden.dtype == torch.bfloat16:
+        if rows > GEMV_MAX_ROWS:
+            return None
+    elif hidden.dtype != torch.float32 or rows != 1:
+        return None
+    kernels = cpu_kernels()
+    if kernels is None or (hidden.dtype == torch.bfloat16 and not kernels.bf16_dot):
+        return None
+    head_dim = kv_cache.shape[-1]
+    weights = (in_norm_w, qkv_w, o_w, post_norm_w, gate_up_w, down_w)
+    if (
+        kv_cache.dtype != hidden.dtype
+        or not kv_cache.is_contiguous()
+        or any(w.dtype != hidden.dtype or not w.is_contiguous() for w in weights)
+        or (qkv_b is not None and qkv_b.dtype != hidden.dtype)
+        or cos.dtype not in (hidden.dtype, torch.float32)
+        or positions.dtype != torch.long
+        or head_dim % 16 != 0
+        or head_dim > 256
+        or num_heads // kv_cache.shape[2] > 16
+        or any(w.shape[1] % 32 for w in (qkv_w, o_w, gate_up_w, down_w))
+    ):
+        return None
+    return kernels.ops.decode_layer(
+        hidden, positions, kv_cache, layer, slot_mapping, block_tables, context_lens,
+        cos, sin, in_norm_w, qkv_w, qkv_b, o_w, post_norm_w, gate_up_w, down_w,
+        num_heads, eps, scale,
+    )  # fmt: skip
