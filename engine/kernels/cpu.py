@@ -1,4 +1,4 @@
-"""Builds and loads the optional compiled CPU kernels (``cpu_ops.cpp``), once per machine.
+"""Builds and loads the optional compiled CPU kernels (``cpu_ops.cpp``, ``csrc/``), once a machine.
 
 The kernels are a plug-in: ``cpu_kernels()`` returns their ops, or None with one logged
 warning when they cannot be built or loaded here, and every caller then runs its
@@ -30,7 +30,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+SOURCE = Path(__file__).with_name("cpu_ops.cpp")  # includes the kernels in csrc/*.h
 LIBRARY_NAME = "baton_cpu_ops.so"
 FAILED_MARKER = "build-failed.txt"
 # -ffp-contract=off keeps a*b + c*d as torch computes it, so rms_norm and rotary are exact.
@@ -90,8 +90,10 @@ def _cpu_flags() -> str:
 
 def _build_key(compiler_version: str) -> str:
     h = hashlib.sha256()
+    headers = sorted(SOURCE.with_name("csrc").glob("*.h"))
     for part in (
         SOURCE.read_bytes(),
+        *(header.read_bytes() for header in headers),
         " ".join(CXX_FLAGS).encode(),
         compiler_version.encode(),
         torch.__version__.encode(),
