@@ -79,7 +79,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if self.inbox is not None:
             self.inbox.bind(loop)
             factory = self.inbox.allocate_pool
-        core = await asyncio.to_thread(_build_core, self.cfg, factory)
+        core = await asyncio.to_thread(
+            EngineCore, self.cfg.engine, kv_pool_factory=factory, show_progress=False
+        )
+        await asyncio.to_thread(core.warm_up)
         self.engine = AsyncEngine(core)
         await self.engine.start()
         self._incarnation = self.inbox.incarnation if self.inbox else uuid.uuid4().hex
@@ -240,14 +243,6 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if self.engine is None:
             raise UnavailableError("decode worker is still starting")
         return self.engine
-
-
-def _build_core(cfg: WorkerConfig, factory) -> EngineCore:  # noqa: ANN001 - KVPoolFactory | None
-    core = EngineCore(cfg.engine, kv_pool_factory=factory, show_progress=False)
-    # Warm-up: one tiny request through every path a step takes (prefill + decode).
-    core.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
-    core.pool.reset_prefix_cache()
-    return core
 
 
 async def _read(call: grpc.aio.StreamStreamCall, kind: str, timeout: float, peer: str):  # noqa: ANN202

@@ -137,6 +137,12 @@ class EngineCore:
             self.runner.forget(finished)
         return outputs
 
+    def warm_up(self) -> None:
+        """Run one tiny request through every path a step takes (prefill, decode, sample),
+        then forget its KV, so the first real request pays no first-call costs."""
+        self.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+        self.pool.reset_prefix_cache()
+
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 

@@ -50,7 +50,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
     async def start(self) -> None:
         """Readiness: load weights, allocate KV, warm up, start the transfer worker."""
-        core = await asyncio.to_thread(_build_core, self.cfg)
+        core = await asyncio.to_thread(EngineCore, self.cfg.engine, show_progress=False)
+        await asyncio.to_thread(core.warm_up)
         self.engine = AsyncEngine(core)
         await self.engine.start()
         self.outbox = KVOutbox(
@@ -175,10 +176,3 @@ async def _prefill(
     if out.finish_reason is FinishReason.ABORT:
         raise CancelledError(f"request {rid} was aborted during prefill")
     return out
-
-
-def _build_core(cfg: WorkerConfig) -> EngineCore:
-    core = EngineCore(cfg.engine, show_progress=False)
-    core.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
-    core.pool.reset_prefix_cache()
-    return core
