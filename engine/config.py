@@ -33,6 +33,13 @@ class ModelConfig:
     rope_scaling: tuple[tuple[str, Any], ...] | None
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    # Per layer: how many of the most recent tokens (the query's own included) a query
+    # attends to; 0 for full causal attention. HF's ``sliding_window`` semantics.
+    sliding_windows: tuple[int, ...] = ()
+
+    def sliding_window(self, layer: int) -> int:
+        """The sliding window of ``layer`` in tokens, 0 for full attention."""
+        return self.sliding_windows[layer] if self.sliding_windows else 0
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -52,6 +59,8 @@ class ModelConfig:
                 scaling = None
             elif rope_type not in ("llama3", "linear"):
                 raise ValueError(f"rope_scaling type {rope_type!r} is not supported")
+        num_layers = int(hf["num_hidden_layers"])
+        windows = _sliding_windows(hf, model_type, num_layers)
         theta = hf.get("rope_theta")
         if theta is None and isinstance(hf.get("rope_parameters"), dict):
             theta = hf["rope_parameters"].get("rope_theta")
@@ -60,7 +69,7 @@ class ModelConfig:
             vocab_size=int(hf["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(hf["intermediate_size"]),
-            num_layers=int(hf["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
             head_dim=int(hf.get("head_dim") or hidden // num_heads),
@@ -72,7 +81,48 @@ class ModelConfig:
             rope_scaling=tuple(sorted(scaling.items())) if isinstance(scaling, dict) else None,
             eos_token_ids=tuple(int(e) for e in eos_ids),
             bos_token_id=hf.get("bos_token_id"),
+            sliding_windows=windows,
         )
+
+
+def _sliding_windows(hf: dict[str, Any], model_type: str, num_layers: int) -> tuple[int, ...]:
+    """Each layer's sliding window (0: full attention) as HF runs the checkpoint.
+
+    Mistral applies ``sliding_window`` to every layer; Qwen2 only with
+    ``use_sliding_window``, to layers from ``max_window_layers`` on; an explicit
+    ``layer_types`` list wins for both. Llama has no windows. A checkpoint whose window
+    we cannot read is refused rather than run with full attention.
+    """
+    if model_type == "llama":
+        return ()
+    window = hf.get("sliding_window")
+    if model_type == "qwen2" and not hf.get("use_sliding_window", False):
+        window = None
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                               or window < 1):
+        raise ValueError(f"sliding_window must be a positive integer or null, got {window!r}")
+    layer_types = hf.get("layer_types")
+    if layer_types is None:
+        if window is None:
+            return ()
+        first = int(hf.get("max_window_layers", 0)) if model_type == "qwen2" else 0
+        return tuple(window if i >= first else 0 for i in range(num_layers))
+    if not isinstance(layer_types, list) or len(layer_types) != num_layers:
+        raise ValueError(f"layer_types must list one type per layer ({num_layers}), "
+                         f"got {layer_types!r}")
+    windows = []
+    for i, kind in enumerate(layer_types):
+        if kind == "full_attention":
+            windows.append(0)
+        elif kind == "sliding_attention":
+            if window is None:
+                raise ValueError(f"layer_types[{i}] is sliding_attention but sliding_window "
+                                 "is not set")
+            windows.append(window)
+        else:
+            raise ValueError(f"layer_types[{i}] is {kind!r}; supported: full_attention, "
+                             "sliding_attention")
+    return tuple(windows) if any(windows) else ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,6 +37,9 @@ class AttentionMetadata:
     # [num_decode] int64: tokens of context of each decode row, its query included. The
     # runner may fill it; otherwise attention derives it from ``decode_mask`` once a step.
     decode_context_lens: torch.Tensor | None = None
+    # ``decode_mask`` narrowed to a sliding window, per window size; filled lazily by the
+    # first windowed layer of a step (plain-torch path only).
+    decode_window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

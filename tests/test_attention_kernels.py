@@ -46,8 +46,10 @@ class Seq:
     q_len: int  # new tokens this step (1: a decode row)
 
 
-def _attention(heads: int, kv_heads: int, head_dim: int, backend: str) -> PagedAttention:
-    attn = PagedAttention(0, heads, kv_heads, head_dim)
+def _attention(
+    heads: int, kv_heads: int, head_dim: int, backend: str, window: int = 0
+) -> PagedAttention:
+    attn = PagedAttention(0, heads, kv_heads, head_dim, sliding_window=window)
     attn.use_kernel = backend == "cpu-kernel"
     return attn
 
@@ -63,6 +65,7 @@ def _run(
     seed: int = 0,
     runner_lens: bool = False,
     block: int = 16,
+    window: int = 0,
 ) -> tuple[float, torch.Tensor, torch.Tensor]:
     """Max abs error of one step against the reference, and the cache before/after."""
     n_dec = sum(s.q_len == 1 for s in seqs)
@@ -112,7 +115,7 @@ def _run(
         prefills=prefills,
         decode_context_lens=lens if runner_lens else None,
     )
-    attn = _attention(heads, kv_heads, head_dim, backend)
+    attn = _attention(heads, kv_heads, head_dim, backend, window)
     # Project-like inputs: q, k, v are column slices of one packed row, as in the model.
     q = torch.cat(q_rows)
     k = torch.cat(k_rows)
@@ -135,7 +138,9 @@ def _run(
         qq = qs[i].double()  # [n, H, D]
         scores = torch.einsum("nhd,lhd->hnl", qq, kk) * head_dim**-0.5
         qpos = torch.arange(s.context, s.context + s.q_len)[:, None]
-        scores = scores.masked_fill(torch.arange(totals[i])[None] > qpos, float("-inf"))
+        kpos = torch.arange(totals[i])[None]
+        outside = (kpos > qpos) | ((kpos <= qpos - window) if window else False)
+        scores = scores.masked_fill(outside, float("-inf"))
         ref = torch.einsum("hnl,lhd->nhd", scores.softmax(-1), vv).reshape(s.q_len, -1)
         got = out[row : row + s.q_len].double()
         err = max(err, (got - ref).abs().max().item())
@@ -191,6 +196,20 @@ def test_other_block_sizes(backend: str, block: int) -> None:
     seqs = [Seq(c, 1) for c in (0, 7, 8, 9, 33, 95)] + [Seq(12, 21)]
     err, _, _ = _run(seqs, backend=backend, block=block, seed=block)
     assert err < 1e-5, err
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [1, 5, 16, 37, 100])
+def test_sliding_window(backend: str, dtype: torch.dtype, window: int) -> None:
+    # Windows inside a block, on a block edge and across blocks; contexts shorter and
+    # longer than the window; a chunk after cached context; a long lone sequence whose
+    # context the kernel splits into parts, some wholly before the window.
+    seqs = [Seq(c, 1) for c in (0, 3, 15, 16, 40, 130)] + [Seq(0, 30), Seq(45, 20)]
+    err, _, _ = _run(seqs, dtype=dtype, backend=backend, seed=window, window=window)
+    assert err < TOL[(backend, dtype)], err
+    err, _, _ = _run([Seq(700, 1)], dtype=dtype, backend=backend, seed=window, window=window)
+    assert err < TOL[(backend, dtype)], err
 
 
 @needs_kernels

@@ -37,7 +37,8 @@ at::Tensor decode_layer(const at::Tensor& hidden, const at::Tensor& positions, a
                         const at::Tensor& context_lens, const at::Tensor& cos, const at::Tensor& sin,
                         const at::Tensor& in_norm_w, const at::Tensor& qkv_w, const std::optional<at::Tensor>& qkv_b,
                         const at::Tensor& o_w, const at::Tensor& post_norm_w, const at::Tensor& gate_up_w,
-                        const at::Tensor& down_w, int64_t num_heads, double eps, double scale) {
+                        const at::Tensor& down_w, int64_t num_heads, double eps, double scale,
+                        int64_t window) {
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "decode_layer: hidden must be contiguous [M, C]");
   const int64_t M = hidden.size(0);
   const int64_t Hkv = kv_cache.size(2), D = kv_cache.size(5), H = num_heads;
@@ -50,7 +51,7 @@ at::Tensor decode_layer(const at::Tensor& hidden, const at::Tensor& positions, a
   auto [qr, kr] = rotary(q, k, cos, sin, positions);
   write_kv(kv_cache, layer, kr, v, slot_mapping);
   at::Tensor attn = at::empty({M, H, D}, hidden.options());
-  decode_attention(attn, qr, kv_cache, layer, block_tables, context_lens, scale);
+  decode_attention(attn, qr, kv_cache, layer, block_tables, context_lens, scale, window);
   const at::Tensor h1 = at::add(hidden, small_linear(attn.view({M, H * D}), o_w, std::nullopt));
   const at::Tensor x2 = rms_norm(h1, post_norm_w, eps);
   const at::Tensor act = silu_and_mul(small_linear(x2, gate_up_w, std::nullopt));
@@ -65,7 +66,7 @@ TORCH_LIBRARY(baton_cpu, m) {
   m.def("write_kv(Tensor(a!) kv_cache, int layer, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
   m.def(
       "decode_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, int layer, Tensor block_tables, "
-      "Tensor context_lens, float scale) -> ()");
+      "Tensor context_lens, float scale, int window=0) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rotary(Tensor q, Tensor k, Tensor cos, Tensor sin, Tensor positions) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
@@ -74,7 +75,7 @@ TORCH_LIBRARY(baton_cpu, m) {
       "decode_layer(Tensor hidden, Tensor positions, Tensor(a!) kv_cache, int layer, Tensor slot_mapping, "
       "Tensor block_tables, Tensor context_lens, Tensor cos, Tensor sin, Tensor in_norm_w, Tensor qkv_w, "
       "Tensor? qkv_b, Tensor o_w, Tensor post_norm_w, Tensor gate_up_w, Tensor down_w, int num_heads, "
-      "float eps, float scale) -> Tensor");
+      "float eps, float scale, int window=0) -> Tensor");
   m.def("has_bf16_dot() -> bool", &has_bf16_dot);
 }
 

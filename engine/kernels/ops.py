@@ -106,11 +106,13 @@ def decode_layer(
     num_heads: int,
     eps: float,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor | None:
     """A whole Llama decoder layer over a few decode rows in one kernel call, or None.
 
     Computes ``h = hidden + o(attn(rope(qkv(norm(hidden))))); h + down(silu_mul(gate_up(
-    norm2(h))))`` exactly as the separate kernels do (bit-identical to them), writing the
+    norm2(h))))`` exactly as the separate kernels do (``window``: the layer's sliding
+    window, 0 for full attention) (bit-identical to them), writing the
     rows' K/V like the attention layer. Only for decode-only batches of at most
     ``GEMV_MAX_ROWS`` bf16 rows (one fp32 row), where per-op dispatch costs as much as
     the attention itself; returns None anywhere else, and the caller runs its modules.
@@ -144,5 +146,5 @@ def decode_layer(
     return kernels.ops.decode_layer(
         hidden, positions, kv_cache, layer, slot_mapping, block_tables, context_lens,
         cos, sin, in_norm_w, qkv_w, qkv_b, o_w, post_norm_w, gate_up_w, down_w,
-        num_heads, eps, scale,
+        num_heads, eps, scale, window,
     )  # fmt: skip

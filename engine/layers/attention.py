@@ -12,7 +12,12 @@ Two backends give the same result (fp32 summation order aside):
   shape the matmul wants. Scores are scaled, masked and widened to fp32 in one op.
 
 Prefill chunks always run as torch SDPA per sequence (causal; an explicit mask when the
-chunk follows cached context), which measured fastest for multi-token queries.
+chunk follows cached context or a sliding window cuts it), which measured fastest for
+multi-token queries.
+
+A layer with a sliding window of W tokens lets a query at position i see positions
+(i - W, i] only (HF's ``sliding_window``); both backends apply it. Blocks outside the
+window stay allocated: the window changes what is read, not what is kept.
 """
 
 from __future__ import annotations
@@ -51,9 +56,33 @@ def decode_context_lens(meta: AttentionMetadata) -> torch.Tensor:
     return lens
 
 
+def decode_window_mask(meta: AttentionMetadata, window: int) -> torch.Tensor:
+    """``meta.decode_mask`` with every column before each row's window also at -inf."""
+    mask = meta.decode_window_masks.get(window)
+    if mask is None:
+        assert meta.decode_mask is not None
+        lens = decode_context_lens(meta)
+        cols = torch.arange(meta.decode_mask.shape[1], device=meta.decode_mask.device)
+        outside = cols.unsqueeze(0) < (lens - window).unsqueeze(1)
+        mask = meta.decode_mask.masked_fill(outside, float("-inf"))
+        meta.decode_window_masks[window] = mask
+    return mask
+
+
 class PagedAttention(nn.Module):
-    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(
+        self,
+        layer_idx: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        sliding_window: int = 0,
+    ):
         super().__init__()
+        if sliding_window < 0:
+            raise ValueError(f"sliding_window must be >= 0, got {sliding_window}")
+        self.sliding_window = sliding_window
         self.layer_idx = layer_idx
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -95,6 +124,7 @@ class PagedAttention(nn.Module):
                 meta.decode_block_tables,
                 decode_context_lens(meta),
                 self.scale,
+                self.sliding_window,
             )
         if meta.prefills:
             k_cache = ctx.kv_cache[self.layer_idx, 0]
@@ -137,28 +167,37 @@ class PagedAttention(nn.Module):
         values = v_cache.index_select(1, idx).view(hkv, b, m * bs, d)
         qg = q.view(b, hkv, self.group, d).transpose(0, 1)  # [Hkv, B, G, D]
         scores = torch.matmul(qg, keys.transpose(-1, -2))  # [Hkv, B, G, T], q's dtype
+        mask = meta.decode_mask
+        if self.sliding_window:
+            mask = decode_window_mask(meta, self.sliding_window)
         # One op scales, masks and widens to fp32 (the mask is fp32).
-        scores = torch.add(meta.decode_mask[None, :, None, :], scores, alpha=self.scale)
+        scores = torch.add(mask[None, :, None, :], scores, alpha=self.scale)
         probs = torch.softmax(scores, dim=-1).to(values.dtype)
         o = torch.matmul(probs, values)  # [Hkv, B, G, D]
         return o.transpose(0, 1).reshape(b, self.num_heads, d)
 
     def _prefill(self, q, k, v, k_cache, v_cache, p) -> torch.Tensor:
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        window = self.sliding_window
         if p.start == 0:
             keys = k.transpose(0, 1).unsqueeze(0)
             values = v.transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(
-                qh, keys, values, is_causal=True, scale=self.scale, enable_gqa=True
-            )
+            if not window or p.q_len <= window:
+                o = F.scaled_dot_product_attention(
+                    qh, keys, values, is_causal=True, scale=self.scale, enable_gqa=True
+                )
+                return o.squeeze(0).transpose(0, 1)
         else:
-            total = p.start + p.q_len
             hkv, _, bs, d = k_cache.shape
+            total = p.start + p.q_len
             keys = k_cache.index_select(1, p.block_ids).view(hkv, -1, d)[:, :total].unsqueeze(0)
             values = v_cache.index_select(1, p.block_ids).view(hkv, -1, d)[:, :total].unsqueeze(0)
-            qpos = torch.arange(p.start, total, device=q.device).unsqueeze(1)
-            kpos = torch.arange(total, device=q.device).unsqueeze(0)
-            o = F.scaled_dot_product_attention(
-                qh, keys, values, attn_mask=kpos <= qpos, scale=self.scale, enable_gqa=True
-            )
+        qpos = torch.arange(p.start, p.start + p.q_len, device=q.device).unsqueeze(1)
+        kpos = torch.arange(keys.shape[2], device=q.device).unsqueeze(0)
+        allowed = kpos <= qpos
+        if window:
+            allowed &= kpos > qpos - window
+        o = F.scaled_dot_product_attention(
+            qh, keys, values, attn_mask=allowed, scale=self.scale, enable_gqa=True
+        )
         return o.squeeze(0).transpose(0, 1)

@@ -45,7 +45,13 @@ class Attention(nn.Module):
             self.qkv_proj.bias.weight_loader = _sharded_loader(offsets)  # type: ignore[attr-defined]
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
         self.rope = rope
-        self.attn = PagedAttention(layer_idx, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.attn = PagedAttention(
+            layer_idx,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            sliding_window=cfg.sliding_window(layer_idx),
+        )
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)

@@ -95,14 +95,15 @@ inline V16 scores16_bf16(const __m512bh* qg, const bf16* const* rows, int64_t nc
 
 // Attention of one query token per head of a GQA group over the cached tokens
 // [t_begin, t_end) of one sequence (t_begin on a block edge), read through the block
-// table. Two passes: scores for every token, then softmax numerators and the weighted
+// table; tokens before ``t_lo`` (a sliding window's first token, t_lo < t_end) are
+// masked out, which lets a window start mid-block. Two passes: scores for every token, then softmax numerators and the weighted
 // sum of values. Leaves the unnormalized sums in acc [G, D] and each head's max score
 // and softmax denominator in m_out, l_out, so that parts of a context can be merged.
 // NC = D / 16 chunks (compile-time for common head dims, 0 = runtime).
 template <typename T, int NC_FIXED>
 void decode_part(float* acc_out, float* m_out, float* l_out, const T* q_rows, int64_t q_head_stride,
                  int64_t G, int64_t nc_rt, const T* kc_head, const T* vc_head, int64_t bs,
-                 const int64_t* table, int64_t t_begin, int64_t t_end, float scale,
+                 const int64_t* table, int64_t t_begin, int64_t t_end, int64_t t_lo, float scale,
                  std::vector<float>& scores) {
   const int64_t NC = NC_FIXED > 0 ? NC_FIXED : nc_rt;
   const int64_t D = NC * 16;
@@ -155,6 +156,9 @@ void decode_part(float* acc_out, float* m_out, float* l_out, const T* q_rows, in
       }
     }
   }
+  // Outside the sliding window: a zero softmax numerator, so pass 2 adds nothing.
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t t = t_begin; t < std::min(t_lo, t_end); ++t) s[g * ls + (t - t_begin)] = -INFINITY;
   prefetch_ahead(vc_head, table, j0, bs, D, t_end);
   prefetch_ahead(vc_head, table, j0 + 1, bs, D, t_end);
   // Softmax numerators and denominators per head.
@@ -233,7 +237,7 @@ void decode_part(float* acc_out, float* m_out, float* l_out, const T* q_rows, in
 template <typename T>
 void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const T* kc, const T* vc, int64_t Hkv,
                            int64_t NB, int64_t bs, const at::Tensor& block_tables,
-                           const at::Tensor& context_lens, double scale) {
+                           const at::Tensor& context_lens, double scale, int64_t window) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t G = H / Hkv, NC = D / 16;
   const int64_t width = block_tables.size(1);
@@ -277,7 +281,10 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const T* kc, co
     for (int64_t it = begin; it < end; ++it) {
       const int64_t pair = it / parts, part = it % parts;
       const int64_t b = pair / Hkv, h = pair % Hkv;
-      const int64_t t_begin = std::min(lens[b], part * blocks_per_part * bs);
+      // A sliding window attends to the last ``window`` tokens only: parts wholly before
+      // it are empty, and the block it starts in is read from its edge, then masked.
+      const int64_t t_lo = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
+      const int64_t t_begin = std::max(std::min(lens[b], part * blocks_per_part * bs), t_lo / bs * bs);
       const int64_t t_end = std::min(lens[b], (part + 1) * blocks_per_part * bs);
       float* acc_p = parts > 1 ? part_acc.data() + it * G * D : acc.data();
       float* m_p = parts > 1 ? part_ml.data() + it * G * 2 : m;
@@ -296,13 +303,13 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const T* kc, co
       const int64_t* table = tables + b * width;
       if (NC == 4)
         decode_part<T, 4>(acc_p, m_p, l_p, qrows, q.stride(1), G, NC, kh, vh, bs, table, t_begin, t_end,
-                          float(scale), scores);
+                          t_lo, float(scale), scores);
       else if (NC == 8)
         decode_part<T, 8>(acc_p, m_p, l_p, qrows, q.stride(1), G, NC, kh, vh, bs, table, t_begin, t_end,
-                          float(scale), scores);
+                          t_lo, float(scale), scores);
       else
         decode_part<T, 0>(acc_p, m_p, l_p, qrows, q.stride(1), G, NC, kh, vh, bs, table, t_begin, t_end,
-                          float(scale), scores);
+                          t_lo, float(scale), scores);
       if (parts == 1) {
         for (int64_t g = 0; g < G; ++g) {
           T* orow = op + b * out.stride(0) + (h * G + g) * out.stride(1);
@@ -337,9 +344,11 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const T* kc, co
 
 // out, q: [B, H, D] (unit last stride); kv_cache: [layers, 2, Hkv, NB, bs, D] contiguous,
 // of which layer ``layer`` is read; block_tables: [B, width] int64; context_lens: [B]
-// int64 (tokens including the query).
+// int64 (tokens including the query); window: attend to the last ``window`` tokens only
+// (0: the whole context).
 void decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache, int64_t layer,
-                      const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+                      const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                      int64_t window) {
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && q.stride(2) == 1 && out.stride(2) == 1,
               "decode_attention: q/out must be [B, H, D] with unit last stride");
   TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.is_contiguous() && kv_cache.size(1) == 2,
@@ -357,14 +366,17 @@ void decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv
   TORCH_CHECK(H % Hkv == 0 && H / Hkv <= 16 && D % 16 == 0 && D <= 256,
               "decode_attention: needs heads % kv_heads == 0, group <= 16, head_dim % 16 == 0, <= 256");
   TORCH_CHECK(block_tables.size(0) == B && context_lens.numel() == B, "decode_attention: batch mismatch");
+  TORCH_CHECK(window >= 0, "decode_attention: window must be >= 0, got ", window);
   if (B == 0) return;
   const int64_t per_kv = Hkv * NB * bs * D;  // elements of one layer's K (or V)
   if (q.scalar_type() == at::kFloat) {
     const float* base = kv_cache.data_ptr<float>() + layer * 2 * per_kv;
-    decode_attention_impl<float>(out, q, base, base + per_kv, Hkv, NB, bs, block_tables, context_lens, scale);
+    decode_attention_impl<float>(out, q, base, base + per_kv, Hkv, NB, bs, block_tables, context_lens, scale,
+                                 window);
   } else if (q.scalar_type() == at::kBFloat16) {
     const bf16* base = kv_cache.data_ptr<bf16>() + layer * 2 * per_kv;
-    decode_attention_impl<bf16>(out, q, base, base + per_kv, Hkv, NB, bs, block_tables, context_lens, scale);
+    decode_attention_impl<bf16>(out, q, base, base + per_kv, Hkv, NB, bs, block_tables, context_lens, scale,
+                                window);
   } else {
     TORCH_CHECK(false, "decode_attention: dtype ", q.scalar_type(), " not supported");
   }
