@@ -145,7 +145,6 @@ class AsyncEngine:
         def run() -> None:
             out = self.core.scheduler.remote_kv_ready(request_id, first_token)
             if out is not None:
-                self.core.runner.forget([request_id])
                 self._publish([out])
 
         self._submit(run)

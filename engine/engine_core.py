@@ -116,9 +116,7 @@ class EngineCore:
         self.scheduler.add(req)
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        out = self.scheduler.abort(request_id)
-        self.runner.forget([request_id])
-        return out
+        return self.scheduler.abort(request_id)
 
     # -- the step ---------------------------------------------------------------------
 
@@ -131,11 +129,7 @@ class EngineCore:
     def update(
         self, sched: SchedulerOutput, sampled: list[SampledToken | None]
     ) -> list[RequestOutput]:
-        outputs = self.scheduler.update(sched, sampled)
-        finished = [o.request_id for o in outputs if o.finished]
-        if finished:
-            self.runner.forget(finished)
-        return outputs
+        return self.scheduler.update(sched, sampled)
 
     def warm_up(self) -> None:
         """Run one tiny request through every path a step takes (prefill, decode, sample),

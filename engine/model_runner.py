@@ -1,7 +1,8 @@
 """Turns a scheduler decision into one forward pass and sampled tokens.
 
-Owns the model weights, the KV pool tensor and the per-request sampling state (seeded
-generators, the previous step's sampled ids). ``execute`` is called on one thread at a
+Owns the model weights, the KV pool tensor and the previous step's sampled ids. Seeded
+sampling keeps no per-request state: each output position gets its own generator
+(``engine.sampler.position_generator``). ``execute`` is called on one thread at a
 time, in step order; it resolves tokens that were still pending when the step was
 scheduled from the previous step's samples.
 """
@@ -19,7 +20,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.forward_context import AttentionMetadata, ForwardContext, PrefillSeq, forward_context
 from engine.kv_layout import KVLayout
 from engine.models.llama import LlamaForCausalLM
-from engine.sampler import Sampler, SamplingRow
+from engine.sampler import Sampler, SamplingRow, position_generator
 from engine.scheduler import PENDING_TOKEN, SampledToken, ScheduledSeq, SchedulerOutput
 from engine.weights import iter_safetensors
 
@@ -75,17 +76,9 @@ class ModelRunner:
             )
         self.kv_cache = kv_pool
         self.sampler = Sampler(self.device, cfg.seed)
-        self._generators: dict[str, torch.Generator] = {}
         self._last_sampled: dict[str, int] = {}
         self.busy_seconds = 0.0
         self.num_steps = 0
-
-    # -- per-request state ------------------------------------------------------------
-
-    def forget(self, request_ids: list[str]) -> None:
-        """Drop sampling state of finished requests. Only between ``execute`` calls."""
-        for rid in request_ids:
-            self._generators.pop(rid, None)
 
     # -- the step ---------------------------------------------------------------------
 
@@ -125,14 +118,10 @@ class ModelRunner:
     def _sampling_row(self, seq: ScheduledSeq) -> SamplingRow:
         req = seq.request
         params = req.params
+        end = seq.start + seq.num_new
         gen = None
         if params.seed is not None and not params.greedy:
-            gen = self._generators.get(req.request_id)
-            if gen is None:
-                gen = torch.Generator(device=self.device)
-                gen.manual_seed(params.seed)
-                self._generators[req.request_id] = gen
-        end = seq.start + seq.num_new
+            gen = position_generator(self.device, params.seed, end - req.num_prompt_tokens)
         token_ids = None
         if params.has_penalties:
             token_ids = req.all_token_ids[:end]

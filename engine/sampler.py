@@ -2,8 +2,11 @@
 penalties, min_tokens, logprobs.
 
 Sampling uses the exponential race (argmax of p / Exp(1) noise), which equals drawing
-from p; a seeded request draws its noise from its own generator, so its tokens do not
-depend on which other requests share the batch.
+from p. A seeded request draws the noise of each output position from a generator
+seeded by (seed, position) alone (``position_generator``), so its tokens depend neither
+on which other requests share the batch nor on which process samples which position: a
+prefill worker drawing position 0 and a decode worker drawing the rest give the tokens a
+single process would.
 """
 
 from __future__ import annotations
@@ -14,6 +17,28 @@ import torch
 
 from engine.request import TokenLogprob
 from engine.sampling_params import SamplingParams
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """A 63-bit generator seed for output ``position`` of a request seeded with ``seed``.
+
+    splitmix64 over both values, so neighbouring seeds and positions give unrelated
+    streams (``seed + position`` would make seed 1 at position 0 repeat seed 0 at 1).
+    """
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+def position_generator(device: torch.device, seed: int, position: int) -> torch.Generator:
+    """The generator that draws output ``position`` of a request seeded with ``seed``."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(position_seed(seed, position))
+    return gen
 
 
 @dataclass(slots=True)
