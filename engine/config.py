@@ -98,8 +98,9 @@ def _sliding_windows(hf: dict[str, Any], model_type: str, num_layers: int) -> tu
     window = hf.get("sliding_window")
     if model_type == "qwen2" and not hf.get("use_sliding_window", False):
         window = None
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
-                               or window < 1):
+    if window is not None and (
+        isinstance(window, bool) or not isinstance(window, int) or window < 1
+    ):
         raise ValueError(f"sliding_window must be a positive integer or null, got {window!r}")
     layer_types = hf.get("layer_types")
     if layer_types is None:
@@ -108,20 +109,23 @@ def _sliding_windows(hf: dict[str, Any], model_type: str, num_layers: int) -> tu
         first = int(hf.get("max_window_layers", 0)) if model_type == "qwen2" else 0
         return tuple(window if i >= first else 0 for i in range(num_layers))
     if not isinstance(layer_types, list) or len(layer_types) != num_layers:
-        raise ValueError(f"layer_types must list one type per layer ({num_layers}), "
-                         f"got {layer_types!r}")
+        raise ValueError(
+            f"layer_types must list one type per layer ({num_layers}), got {layer_types!r}"
+        )
     windows = []
     for i, kind in enumerate(layer_types):
         if kind == "full_attention":
             windows.append(0)
         elif kind == "sliding_attention":
             if window is None:
-                raise ValueError(f"layer_types[{i}] is sliding_attention but sliding_window "
-                                 "is not set")
+                raise ValueError(
+                    f"layer_types[{i}] is sliding_attention but sliding_window is not set"
+                )
             windows.append(window)
         else:
-            raise ValueError(f"layer_types[{i}] is {kind!r}; supported: full_attention, "
-                             "sliding_attention")
+            raise ValueError(
+                f"layer_types[{i}] is {kind!r}; supported: full_attention, sliding_attention"
+            )
     return tuple(windows) if any(windows) else ()
 
 

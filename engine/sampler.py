@@ -18,7 +18,6 @@ import torch
 from engine.request import TokenLogprob
 from engine.sampling_params import SamplingParams
 
-
 _MASK64 = (1 << 64) - 1
 
 

@@ -64,10 +64,14 @@ def test_split_draws_the_same_tokens_as_one_engine(tiny_llama: Path) -> None:
     params = SamplingParams(max_tokens=24, temperature=1.3, top_p=0.95, seed=2024, ignore_eos=True)
     whole = _run(make_core(tiny_llama), "a", PROMPT, params)
     # Different seeds of the engines themselves: only the request's seed may matter.
-    split = _split(make_core(tiny_llama, seed=1), make_core(tiny_llama, seed=2), "a", PROMPT, params)
+    split = _split(
+        make_core(tiny_llama, seed=1), make_core(tiny_llama, seed=2), "a", PROMPT, params
+    )
     assert split == whole
     # Sampled for real: another seed gives another continuation.
-    other = _run(make_core(tiny_llama), "b", PROMPT, SamplingParams(**{**_fields(params), "seed": 7}))
+    other = _run(
+        make_core(tiny_llama), "b", PROMPT, SamplingParams(**{**_fields(params), "seed": 7})
+    )
     assert other != whole
 
 
