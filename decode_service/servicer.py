@@ -108,7 +108,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         return worker_stats_to_proto(
             self.cfg.role,
             self._incarnation,
-            await engine.stats(),
+            engine.stats(),
             engine.busy_fraction(),
             engine.core.layout,
         )

@@ -3,7 +3,13 @@
 The engine thread owns the scheduler and block pool outright; asyncio code never touches
 them. It talks to the thread through a command queue (add, abort, reserve, KV ready,
 release) and gets outputs back through ``call_soon_threadsafe``, so the event loop never
-blocks on a step.
+blocks on a step. A command that raises fails the one request it was for (its stream
+ends with ``InternalError`` naming the cause); if the engine thread itself dies, every
+open stream ends with ``UnavailableError`` at once and ``on_death`` tells the service
+(which reports NOT_SERVING).
+
+Load is read from a snapshot the engine thread publishes after every step and command
+batch (``stats``), so a caller never waits on a busy engine to learn that it is busy.
 
 Steps overlap: while step N computes on the runner thread, the engine thread applies
 step N-1's results and schedules step N+1 (tokens that N will sample are *pending* and
@@ -24,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.engine_core import EngineCore
-from engine.errors import UnavailableError
+from engine.errors import InternalError, UnavailableError
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
@@ -52,10 +58,23 @@ class _Stream:
         self.done = False
 
 
+@dataclass(frozen=True, slots=True)
+class _Command:
+    """One call to run on the engine thread, for one request (or none)."""
+
+    name: str
+    run: Callable[[], None]
+    request_id: str | None = None
+
+
 class AsyncEngine:
-    def __init__(self, core: EngineCore):
+    def __init__(
+        self, core: EngineCore, *, on_death: Callable[[BaseException], None] | None = None
+    ):
         self.core = core
-        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        # Called on the event loop, once, if the engine thread dies.
+        self.on_death = on_death
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -65,6 +84,9 @@ class AsyncEngine:
         self._dead: BaseException | None = None
         self._started_at = time.monotonic()
         self._busy_at_start = 0.0
+        # Replaced (never mutated) by the engine thread; read from any thread.
+        self._snapshot: EngineStats = core.stats()
+        self._snapshot_at = time.monotonic()
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -104,7 +126,7 @@ class AsyncEngine:
         self._check_alive()
         req = self.core.make_request(request_id, prompt_token_ids, params, hold_kv=hold_kv)
         stream = self._open(request_id)
-        self._submit(lambda: self.core.add_request(req))
+        self._submit("add", lambda: self.core.add_request(req), request_id)
         async for out in self._consume(request_id, stream):
             yield out
 
@@ -128,7 +150,7 @@ class AsyncEngine:
             except BaseException as exc:  # noqa: BLE001 - handed to the awaiting caller
                 fut.set_exception(exc)
 
-        self._submit(run)
+        self._submit("reserve", run)
         try:
             blocks = await asyncio.wrap_future(fut)
         except BaseException:
@@ -147,7 +169,7 @@ class AsyncEngine:
             if out is not None:
                 self._publish([out])
 
-        self._submit(run)
+        self._submit("kv_ready", run, request_id)
 
     def abort(self, request_id: str) -> None:
         """Stop a request in any state and free its blocks. Non-blocking, idempotent."""
@@ -157,7 +179,7 @@ class AsyncEngine:
             if out is not None:
                 self._publish([out])
 
-        self._submit(run)
+        self._submit("abort", run, request_id)
 
     def discard(self, request_id: str) -> None:
         """Abort ``request_id`` and drop its output stream, whether or not it was ever
@@ -167,13 +189,25 @@ class AsyncEngine:
 
     def release_held(self, request_id: str) -> None:
         """Free the blocks a finished ``hold_kv`` request kept. Non-blocking, idempotent."""
-        self._submit(lambda: self.core.scheduler.release_held(request_id))
+        self._submit("release_held", lambda: self.core.scheduler.release_held(request_id))
 
-    async def stats(self) -> EngineStats:
-        """A consistent snapshot taken on the engine thread."""
-        fut: concurrent.futures.Future[EngineStats] = concurrent.futures.Future()
-        self._submit(lambda: fut.set_result(self.core.stats()))
-        return await asyncio.wrap_future(fut)
+    def stats(self) -> EngineStats:
+        """The engine's latest published snapshot; never waits on the engine thread.
+
+        Consistent (taken on the engine thread between steps) and at most one step or
+        one command batch old.
+        """
+        return self._snapshot
+
+    @property
+    def snapshot_age_s(self) -> float:
+        """Seconds since the engine thread last published a snapshot (it publishes at
+        least every half second while alive)."""
+        return time.monotonic() - self._snapshot_at
+
+    @property
+    def alive(self) -> bool:
+        return self._dead is None and not self._stopping and self._thread is not None
 
     def busy_fraction(self) -> float:
         wall = time.monotonic() - self._started_at
@@ -216,14 +250,21 @@ class AsyncEngine:
             if stream is not None:
                 stream.queue.put_nowait(out)
 
+    def _fail(self, request_id: str, exc: BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.queue.put_nowait(exc)
+
     def _fail_all(self, exc: BaseException) -> None:
         for stream in self._streams.values():
             stream.queue.put_nowait(exc)
+        if self.on_death is not None:
+            self.on_death(exc)
 
     # -- the engine thread ------------------------------------------------------------
 
-    def _submit(self, command: Callable[[], None]) -> None:
-        self._commands.put(command)
+    def _submit(self, name: str, run: Callable[[], None], request_id: str | None = None) -> None:
+        self._commands.put(_Command(name, run, request_id))
         self._wake.set()
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
@@ -237,9 +278,30 @@ class AsyncEngine:
             except queue.Empty:
                 return
             try:
-                command()
+                command.run()
+            except Exception as exc:
+                self._command_failed(command, exc)
+
+    def _command_failed(self, command: _Command, exc: Exception) -> None:
+        """Fail the request the command was for and free what it holds; the engine and
+        every other request go on."""
+        rid = command.request_id
+        logger.exception("request %s: engine command %s failed", rid or "-", command.name)
+        if rid is None:
+            return
+        if command.name != "abort":
+            try:
+                self.core.abort(rid)
             except Exception:
-                logger.exception("engine command failed")
+                logger.exception("request %s: abort after a failed %s failed too", rid,
+                                 command.name)
+        error = InternalError(f"request {rid}: engine command {command.name} failed: {exc!r}")
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._fail, rid, error)
+
+    def _publish_stats(self) -> None:
+        self._snapshot = self.core.stats()
+        self._snapshot_at = time.monotonic()
 
     def _run(self) -> None:
         core = self.core
@@ -259,6 +321,7 @@ class AsyncEngine:
                     sched, fut = inflight
                     self._publish(core.update(sched, fut.result()))
                 inflight = nxt
+                self._publish_stats()
             if inflight is not None:
                 inflight[1].result()
         except BaseException as exc:

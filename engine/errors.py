@@ -32,5 +32,10 @@ class AbortedError(BatonError):
     epoch. Retrying the whole request may succeed."""
 
 
+class InternalError(BatonError):
+    """A fault inside this worker (an engine command that raised, a bug), reported to the
+    one request it hit; the worker keeps serving the others."""
+
+
 class LayoutMismatchError(ValueError, BatonError):
     """Two peers disagree on the KV layout; they must never exchange blocks."""

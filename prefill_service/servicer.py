@@ -74,7 +74,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         return worker_stats_to_proto(
             "prefill",
             self._incarnation,
-            await engine.stats(),
+            engine.stats(),
             engine.busy_fraction(),
             engine.core.layout,
         )

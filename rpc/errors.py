@@ -15,6 +15,7 @@ exception                        status code
 ``engine.errors.CancelledError`` CANCELLED
 ``AbortedError``                 ABORTED
 ``NotImplementedError``          UNIMPLEMENTED
+``InternalError``                INTERNAL (message kept, no traceback: already logged)
 anything else                    INTERNAL (traceback logged; the server keeps serving)
 ===============================  ======================
 
@@ -53,6 +54,7 @@ _STATUS_OF: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (errors.CancelledError, grpc.StatusCode.CANCELLED),
     (errors.AbortedError, grpc.StatusCode.ABORTED),
     (NotImplementedError, grpc.StatusCode.UNIMPLEMENTED),
+    (errors.InternalError, grpc.StatusCode.INTERNAL),
 )
 
 # The inverse, for calls to peers. Codes not listed become PeerRpcError.
@@ -142,7 +144,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
     """End the call with the status for ``exc``; logs a traceback for INTERNAL. Never returns."""
     code, message = status_for(exc)
-    if code is grpc.StatusCode.INTERNAL:
+    if code is grpc.StatusCode.INTERNAL and not isinstance(exc, errors.InternalError):
         logger.error("%s failed unexpectedly", method, exc_info=exc)
     else:
         logger.info("%s -> %s: %s", method, code.name, message)

@@ -33,7 +33,7 @@ async def _collect(
 
 async def _wait_all_free(engine: AsyncEngine) -> None:
     for _ in range(100):
-        st = await engine.stats()
+        st = engine.stats()
         if st.num_free_blocks == st.num_total_blocks and st.num_running == 0:
             return
         await asyncio.sleep(0.02)
@@ -163,10 +163,10 @@ async def test_reserve_when_pool_is_full_raises_resource_exhausted(engine: Async
     prompt = list(range(1000, 1900))  # 57 blocks of the 128
     leases = [await engine.reserve(f"big{i}", prompt, GREEDY) for i in range(2)]
     assert all(len(lease.block_ids) == 57 for lease, _ in leases)
-    before = await engine.stats()
+    before = engine.stats()
     with pytest.raises(ResourceExhaustedError):
         await engine.reserve("big2", prompt, GREEDY)
-    assert (await engine.stats()).num_free_blocks == before.num_free_blocks
+    assert (engine.stats()).num_free_blocks == before.num_free_blocks
     for i in range(2):
         engine.abort(f"big{i}")
     await _wait_all_free(engine)
