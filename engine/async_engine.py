@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.engine_core import EngineCore
-from engine.errors import InternalError, UnavailableError
+from engine.errors import BatonError, InternalError, UnavailableError
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
@@ -45,7 +45,9 @@ class KVLease:
 
     request_id: str
     block_ids: list[int]
-    epochs: list[int]
+    # BlockPool.generation of the blocks when reserved: the lease's epoch on the wire,
+    # checked again when the KV is declared ready.
+    generation: int
 
 
 class _Stream:
@@ -158,14 +160,18 @@ class AsyncEngine:
             # Idempotent: frees a lease granted after this caller stopped waiting.
             self.abort(request_id)
             raise
-        epochs = [self.core.pool.epoch(b) for b in blocks]
-        return KVLease(request_id, blocks, epochs), self._consume(request_id, stream)
+        generation = self.core.pool.generation(blocks)
+        return KVLease(request_id, blocks, generation), self._consume(request_id, stream)
 
-    def kv_ready(self, request_id: str, first_token: int) -> None:
-        """The reserved blocks hold the prompt's KV and ``first_token`` was sampled."""
+    def kv_ready(self, request_id: str, first_token: int, generation: int | None = None) -> None:
+        """The reserved blocks hold the prompt's KV and ``first_token`` was sampled.
+
+        ``generation``: the lease's; if the blocks were reallocated since, the stream ends
+        with AbortedError instead.
+        """
 
         def run() -> None:
-            out = self.core.scheduler.remote_kv_ready(request_id, first_token)
+            out = self.core.scheduler.remote_kv_ready(request_id, first_token, generation)
             if out is not None:
                 self._publish([out])
 
@@ -286,16 +292,24 @@ class AsyncEngine:
         """Fail the request the command was for and free what it holds; the engine and
         every other request go on."""
         rid = command.request_id
-        logger.exception("request %s: engine command %s failed", rid or "-", command.name)
+        if isinstance(exc, BatonError):
+            logger.warning("request %s: engine command %s refused: %s", rid, command.name, exc)
+        else:
+            logger.exception("request %s: engine command %s failed", rid or "-", command.name)
         if rid is None:
             return
         if command.name != "abort":
             try:
                 self.core.abort(rid)
             except Exception:
-                logger.exception("request %s: abort after a failed %s failed too", rid,
-                                 command.name)
-        error = InternalError(f"request {rid}: engine command {command.name} failed: {exc!r}")
+                logger.exception(
+                    "request %s: abort after a failed %s failed too", rid, command.name
+                )
+        error: BatonError = (
+            exc
+            if isinstance(exc, BatonError)
+            else InternalError(f"request {rid}: engine command {command.name} failed: {exc!r}")
+        )
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._fail, rid, error)
 

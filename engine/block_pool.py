@@ -10,13 +10,22 @@ same prefix can revive it. Allocation, free and revival are O(1) per block.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from dataclasses import dataclass
 
 # Parent hash of the first block of every sequence.
 ROOT_HASH = 0
 # Parent block of the first block of every sequence.
 NO_PARENT = -1
+
+
+def epoch_digest(epochs: Sequence[int], block_ids: Sequence[int]) -> int:
+    """A 63-bit, process-independent digest of (block id, epoch) pairs; never 0."""
+    h = 0xCBF29CE484222325
+    for block_id, epoch in zip(block_ids, epochs, strict=True):
+        for value in (block_id, epoch):
+            h = ((h ^ value) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return (h >> 1) or 1
 
 
 def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
@@ -82,23 +91,38 @@ class BlockPool:
     def epoch(self, block_id: int) -> int:
         return self._epoch[block_id]
 
+    def generation(self, block_ids: Sequence[int]) -> int:
+        """A 63-bit digest of the blocks' allocation epochs: it changes as soon as any of
+        them is freed and allocated again, so a lease that names it can tell stale blocks."""
+        return epoch_digest([self._epoch[b] for b in block_ids], block_ids)
+
     def ref_count(self, block_id: int) -> int:
         return self._ref[block_id]
 
     # -- allocation -------------------------------------------------------------------
 
-    def allocate(self, n: int) -> list[int] | None:
-        """``n`` fresh blocks with ref count 1, or None (and no change) if too few are free."""
+    def allocate(self, n: int, avoid: Set[int] = frozenset()) -> list[int] | None:
+        """``n`` fresh blocks with ref count 1, or None (and no change) if too few are free.
+
+        Free blocks in ``avoid`` are skipped and keep their place in the LRU order.
+        """
         assert n >= 0
-        if n > len(self._free):
+        if n > len(self._free) - sum(1 for b in avoid if b in self._free):
             return None
-        out = []
-        for _ in range(n):
+        out: list[int] = []
+        passed: list[int] = []
+        while len(out) < n:
             block_id, _ = self._free.popitem(last=False)
+            if block_id in avoid:
+                passed.append(block_id)
+                continue
             self._evict(block_id)
             self._ref[block_id] = 1
             self._epoch[block_id] += 1
             out.append(block_id)
+        for block_id in reversed(passed):  # back to the head, in their old order
+            self._free[block_id] = None
+            self._free.move_to_end(block_id, last=False)
         return out
 
     def free(self, block_ids: Sequence[int]) -> None:

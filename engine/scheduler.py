@@ -8,7 +8,11 @@ the request's logical length, so a prompt chunk, a decode token, a prefix-cache 
 recompute after preemption and KV that arrived from a prefill worker are one idea.
 
 ``schedule`` may run while the previous step is still executing: a token sampled by
-that step is *pending* (counted, id not yet known); the runner fills it in.
+that step is *pending* (counted, id not yet known); the runner fills it in. Blocks a
+step writes stay off-limits to remote writers until that step's results are applied:
+a block freed meanwhile (an abort, a preemption) could otherwise be leased to a prefill
+worker whose copy the in-flight step then overwrites. Local steps may reuse such blocks
+at once, since they run after it, in order.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.block_pool import NO_PARENT, ROOT_HASH, BlockPool, hash_block
-from engine.errors import ResourceExhaustedError
+from engine.errors import AbortedError, ResourceExhaustedError
 from engine.request import FinishReason, Request, RequestOutput, RequestStatus, TokenLogprob
 
 logger = logging.getLogger(__name__)
@@ -84,6 +88,8 @@ class Scheduler:
         self.held: dict[str, list[int]] = {}  # finished, blocks kept for a transfer
         self._step_id = 0
         self.num_preemptions = 0
+        # step id -> blocks that step writes, from schedule() until update() of it.
+        self._writing: dict[int, frozenset[int]] = {}
 
     # -- intake -----------------------------------------------------------------------
 
@@ -122,11 +128,15 @@ class Scheduler:
                 f"no free sequence slot for request {req.request_id} "
                 f"(max_num_seqs={self.max_num_seqs})"
             )
-        blocks = self.pool.allocate(self._blocks_for(req.num_prompt_tokens))
+        in_flight = frozenset().union(*self._writing.values())
+        blocks = self.pool.allocate(self._blocks_for(req.num_prompt_tokens), avoid=in_flight)
         if blocks is None:
+            settling = sum(1 for b in in_flight if self.pool.ref_count(b) == 0)
             raise ResourceExhaustedError(
                 f"no free KV blocks for request {req.request_id} "
-                f"({self._blocks_for(req.num_prompt_tokens)} needed, {self.pool.num_free} free)"
+                f"({self._blocks_for(req.num_prompt_tokens)} needed, {self.pool.num_free} free"
+                + (f", {settling} of them still written by a step in flight" if settling else "")
+                + ")"
             )
         req.block_ids = blocks
         req.status = RequestStatus.WAITING_FOR_KV
@@ -134,15 +144,26 @@ class Scheduler:
         self.remote[req.request_id] = req
         return blocks
 
-    def remote_kv_ready(self, request_id: str, first_token: int) -> RequestOutput | None:
+    def remote_kv_ready(
+        self, request_id: str, first_token: int, generation: int | None = None
+    ) -> RequestOutput | None:
         """The prompt's KV is in place and the prefill worker sampled ``first_token``.
 
-        Returns a finishing output if that token already ends the request, else None
-        (the request joins the next step).
+        ``generation`` is what ``pool.generation`` gave for the blocks at reservation; if
+        the blocks have been reallocated since, their KV is not this request's and
+        AbortedError is raised (nothing changes). Returns a finishing output if the
+        first token already ends the request, else None (it joins the next step).
         """
-        req = self.remote.pop(request_id, None)
+        req = self.remote.get(request_id)
         if req is None:
             return None
+        if generation is not None and self.pool.generation(req.block_ids) != generation:
+            raise AbortedError(
+                f"request {request_id}: its KV blocks were reallocated after the lease "
+                f"(block generation {self.pool.generation(req.block_ids):#x}, lease "
+                f"{generation:#x}); the arrived KV is stale"
+            )
+        del self.remote[request_id]
         req.num_computed_tokens = req.num_prompt_tokens
         self._register_full_blocks(req, req.num_prompt_tokens)
         req.all_token_ids.append(first_token)
@@ -220,6 +241,15 @@ class Scheduler:
                 i = self.running.index(req) + 1
         if not out.preempted_ids:
             self._admit(budget, out)
+        written = {
+            b
+            for seq in out.seqs
+            for b in seq.block_ids[
+                seq.start // self.block_size : self._blocks_for(seq.start + seq.num_new)
+            ]
+        }
+        if written:
+            self._writing[out.step_id] = frozenset(written)
         return out
 
     def _make_room(
@@ -285,6 +315,7 @@ class Scheduler:
         ``sampled`` is aligned with ``sched.seqs`` (None where nothing was sampled).
         Results for requests that finished or were aborted meanwhile are dropped.
         """
+        self._writing.pop(sched.step_id, None)
         outputs: list[RequestOutput] = []
         for seq, tok in zip(sched.seqs, sampled, strict=True):
             req = seq.request
