@@ -331,10 +331,28 @@ def test_lease_whose_sender_never_sends_expires(kind: str) -> None:
         start = time.monotonic()
         receiver.expect("r", (1,), 1, deadline(0.3))
         ended = wait_for(receiver.poll, 5)
-        assert isinstance(ended.error, DeadlineExceededError)
+        # A stalled peer, not the client's deadline: retryable ABORTED.
+        assert isinstance(ended.error, AbortedError) and "stopped making progress" in str(
+            ended.error
+        )
         assert 0.3 <= time.monotonic() - start < 2.0
         # The expired blocks are free to lease again.
         receiver.expect("r", (1,), 2, deadline())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_extend_keeps_a_progressing_lease_alive(kind: str) -> None:
+    with connected(kind) as (_, receiver, _):
+        start = time.monotonic()
+        receiver.expect("r", (1,), 1, deadline(0.3))
+        for _ in range(5):  # a peer reporting progress every 0.15 s
+            time.sleep(0.15)
+            receiver.extend("r", deadline(0.3))
+        assert receiver.poll() == []
+        receiver.extend("r", deadline(-1.0))  # never moves a deadline earlier
+        ended = wait_for(receiver.poll, 5)
+        assert isinstance(ended.error, AbortedError)
+        assert time.monotonic() - start >= 0.75 + 0.3
 
 
 @pytest.mark.parametrize("kind", KINDS)

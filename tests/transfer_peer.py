@@ -40,13 +40,13 @@ T = TypeVar("T")
 REPO = Path(__file__).resolve().parent.parent
 
 # One layer per message, so every transfer is cut into several layer groups.
-SMALL_GROUPS = TransferConfig(group_bytes=1, connect_timeout_s=10.0, stall_timeout_s=10.0,
-                              drain_timeout_s=1.0)
+SMALL_GROUPS = TransferConfig(group_bytes=1, connect_timeout_s=10.0, stall_timeout_s=2.0)
 
 
 def small_layout(dtype: str = "float32", num_layers: int = 4, head_dim: int = 8) -> KVLayout:
-    return KVLayout(num_layers=num_layers, block_size=4, num_kv_heads=2, head_dim=head_dim,
-                    dtype=dtype)
+    return KVLayout(
+        num_layers=num_layers, block_size=4, num_kv_heads=2, head_dim=head_dim, dtype=dtype
+    )
 
 
 def random_pool(layout: KVLayout, num_blocks: int, seed: int, device: str = "cpu") -> torch.Tensor:
@@ -90,8 +90,14 @@ def assert_nothing_left_behind(segments_before: set[str]) -> None:
 
 def spawn_peer(*args: str) -> subprocess.Popen[str]:
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    return subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *args], cwd=REPO,
-                            env=env, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    return subprocess.Popen(
+        [sys.executable, str(Path(__file__).resolve()), *args],
+        cwd=REPO,
+        env=env,
+        text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
 
 
 def read_json_line(proc: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
@@ -106,19 +112,22 @@ def read_json_line(proc: subprocess.Popen[str], timeout: float) -> dict[str, Any
 
 
 def cross_process_transfer(
-    kind: str, dtype: str, receiver_device: str = "cpu", sender_device: str = "cpu",
+    kind: str,
+    dtype: str,
+    receiver_device: str = "cpu",
+    sender_device: str = "cpu",
     timeout: float = 25.0,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Start a receiver process, then a sender process given only its descriptor; relay
     the sender's report to the receiver. Returns (sent, received) as the peers print them."""
     common = ["--kind", kind, "--dtype", dtype, "--seed", "11", "--src", "3,0,7,12"]
-    receiver = spawn_peer("receive", *common, "--dst", "30,1,17,8", "--epoch", "5",
-                          "--device", receiver_device)
+    receiver = spawn_peer(
+        "receive", *common, "--dst", "30,1,17,8", "--epoch", "5", "--device", receiver_device
+    )
     sender: subprocess.Popen[str] | None = None
     try:
         descriptor = read_json_line(receiver, timeout)["descriptor"]
-        sender = spawn_peer("send", *common, "--descriptor", descriptor,
-                            "--device", sender_device)
+        sender = spawn_peer("send", *common, "--descriptor", descriptor, "--device", sender_device)
         sent = read_json_line(sender, timeout)
         assert receiver.stdin is not None
         receiver.stdin.write(json.dumps({"checksum": sent["checksum"], "epoch": 5}) + "\n")
@@ -142,24 +151,42 @@ def cross_process_transfer(
 def descriptor_to_json(desc: KVDescriptor) -> str:
     """The test processes' stand-in for the proto that carries a descriptor in production."""
     ep = desc.endpoint
-    return json.dumps({
-        "kind": ep.kind, "address": ep.address, "incarnation": ep.incarnation,
-        "layout": [ep.layout.num_layers, ep.layout.block_size, ep.layout.num_kv_heads,
-                   ep.layout.head_dim, ep.layout.dtype],
-        "num_blocks": ep.num_blocks, "handle": base64.b64encode(ep.handle).decode(),
-        "request_id": desc.request_id, "block_ids": list(desc.block_ids), "epoch": desc.epoch,
-        "lease_token": desc.lease_token,
-    })
+    return json.dumps(
+        {
+            "kind": ep.kind,
+            "address": ep.address,
+            "incarnation": ep.incarnation,
+            "layout": [
+                ep.layout.num_layers,
+                ep.layout.block_size,
+                ep.layout.num_kv_heads,
+                ep.layout.head_dim,
+                ep.layout.dtype,
+            ],
+            "num_blocks": ep.num_blocks,
+            "handle": base64.b64encode(ep.handle).decode(),
+            "request_id": desc.request_id,
+            "block_ids": list(desc.block_ids),
+            "epoch": desc.epoch,
+            "lease_token": desc.lease_token,
+        }
+    )
 
 
 def descriptor_from_json(text: str) -> KVDescriptor:
     d = json.loads(text)
     layers, block_size, heads, head_dim, dtype = d["layout"]
-    endpoint = KVEndpoint(d["kind"], d["address"], d["incarnation"],
-                          KVLayout(layers, block_size, heads, head_dim, dtype),
-                          d["num_blocks"], base64.b64decode(d["handle"]))
-    return KVDescriptor(endpoint, d["request_id"], tuple(d["block_ids"]), d["epoch"],
-                        d["lease_token"])
+    endpoint = KVEndpoint(
+        d["kind"],
+        d["address"],
+        d["incarnation"],
+        KVLayout(layers, block_size, heads, head_dim, dtype),
+        d["num_blocks"],
+        base64.b64decode(d["handle"]),
+    )
+    return KVDescriptor(
+        endpoint, d["request_id"], tuple(d["block_ids"]), d["epoch"], d["lease_token"]
+    )
 
 
 def _ids(text: str) -> tuple[int, ...]:
@@ -172,19 +199,26 @@ def _emit(payload: dict[str, Any]) -> None:
 
 def _receive(args: argparse.Namespace) -> None:
     layout = small_layout(args.dtype)
-    receiver = make_receiver(args.kind, layout, args.num_blocks, config=SMALL_GROUPS,
-                             device=args.device)
+    receiver = make_receiver(
+        args.kind, layout, args.num_blocks, config=SMALL_GROUPS, device=args.device
+    )
     try:
-        desc = receiver.expect("req-x", _ids(args.dst), args.epoch,
-                               time.monotonic() + args.deadline)
+        desc = receiver.expect(
+            "req-x", _ids(args.dst), args.epoch, time.monotonic() + args.deadline
+        )
         _emit({"descriptor": descriptor_to_json(desc)})
         report = json.loads(sys.stdin.readline())
         receiver.verify("req-x", report["checksum"], report["epoch"])
         done = wait_for(receiver.poll, args.deadline)
         source = random_pool(layout, args.src_pool_blocks, args.seed)
         got = blocks(receiver.kv_cache, _ids(args.dst)).cpu()
-        _emit({"ok": done.ok, "error": repr(done.error),
-               "data_ok": bool(torch.equal(got, blocks(source, _ids(args.src))))})
+        _emit(
+            {
+                "ok": done.ok,
+                "error": repr(done.error),
+                "data_ok": bool(torch.equal(got, blocks(source, _ids(args.src)))),
+            }
+        )
     finally:
         receiver.close()
 
@@ -193,13 +227,29 @@ def _send(args: argparse.Namespace) -> None:
     layout = small_layout(args.dtype)
     source = random_pool(layout, args.src_pool_blocks, args.seed, args.device)
     sender = make_sender(args.kind, source, layout, SMALL_GROUPS)
+    if args.stall_at_group >= 0:
+
+        def stall(request_id: str, group: int) -> None:
+            if group == args.stall_at_group:
+                _emit({"stalled_at": group})
+                time.sleep(3600)  # a sender frozen mid-write, its claim standing
+
+        sender._on_group = stall  # type: ignore[attr-defined]
     try:
         desc = descriptor_from_json(args.descriptor)
-        sender.submit(SendJob(desc.request_id, _ids(args.src), desc,
-                              time.monotonic() + args.deadline))
+        sender.submit(
+            SendJob(desc.request_id, _ids(args.src), desc, time.monotonic() + args.deadline)
+        )
         done = wait_for(sender.poll, args.deadline)
-        _emit({"ok": done.ok, "error": repr(done.error), "checksum": done.checksum,
-               "epoch": done.epoch, "num_bytes": done.num_bytes})
+        _emit(
+            {
+                "ok": done.ok,
+                "error": repr(done.error),
+                "checksum": done.checksum,
+                "epoch": done.epoch,
+                "num_bytes": done.num_bytes,
+            }
+        )
     finally:
         sender.close()
 
@@ -218,6 +268,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epoch", type=int, default=1)
     parser.add_argument("--deadline", type=float, default=20.0)
     parser.add_argument("--descriptor", default="")
+    parser.add_argument(
+        "--stall-at-group",
+        type=int,
+        default=-1,
+        help="sender: freeze before this layer group, claim held",
+    )
     args = parser.parse_args(argv)
     if args.role == "receive":
         _receive(args)

@@ -39,15 +39,36 @@ class TransferConfig:
     connect_timeout_s: float = 10.0
     # How long a started transfer may go silent before its link is declared dead.
     stall_timeout_s: float = 30.0
-    # How long a receiver waits for a peer that is mid-write to notice a revoked lease.
-    drain_timeout_s: float = 2.0
+    # How long a revoked lease may wait for a live peer that is mid-write before its blocks
+    # are reported quarantined (logged, counted). They stay out of use until the write
+    # claim clears or the peer is known dead, however long that takes. None: the stall
+    # bound; never less, since a live sender may legitimately take that long per group.
+    drain_timeout_s: float | None = None
+    # A sender drops its cached state for a receiver (mapping, process group) after this
+    # long without a job to it; a receiver drops a sender's pair after twice as long, so
+    # a live sender always reconnects before its old pair is reaped.
+    peer_idle_s: float = 300.0
 
     def __post_init__(self) -> None:
         if self.group_bytes < 1:
             raise ValueError(f"TransferConfig.group_bytes must be >= 1, got {self.group_bytes}")
-        for name in ("connect_timeout_s", "stall_timeout_s", "drain_timeout_s"):
+        if self.drain_timeout_s is None:
+            object.__setattr__(self, "drain_timeout_s", self.stall_timeout_s)
+        for name in ("connect_timeout_s", "stall_timeout_s", "drain_timeout_s", "peer_idle_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"TransferConfig.{name} must be > 0, got {getattr(self, name)}")
+        assert self.drain_timeout_s is not None
+        if self.drain_timeout_s < self.stall_timeout_s:
+            raise ValueError(
+                f"TransferConfig.drain_timeout_s ({self.drain_timeout_s}) must be >= "
+                f"stall_timeout_s ({self.stall_timeout_s})"
+            )
+
+    @property
+    def drain_s(self) -> float:
+        """``drain_timeout_s``, resolved."""
+        assert self.drain_timeout_s is not None
+        return self.drain_timeout_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +96,10 @@ class KVDescriptor:
     endpoint: KVEndpoint
     request_id: str
     block_ids: tuple[int, ...]  # destination blocks, in token order
-    epoch: int  # decode's block epoch for this reservation; echoed back at verify
+    # The leased blocks' generation in decode's block pool (``BlockPool.generation``):
+    # prefill echoes it, the receiver compares it at verify, and decode's engine checks it
+    # against the pool again before the request may run.
+    epoch: int
     lease_token: int  # random, non-zero; identifies this lease on the wire
 
 
@@ -181,7 +205,8 @@ class KVReceiver(ABC):
         """Lease ``block_ids`` to ``request_id`` until ``deadline`` (time.monotonic()).
         Non-blocking. Raises ``ValueError`` if the request already holds a lease, or a
         block is out of range, repeated, or leased to another request. If the lease has
-        not verified by ``deadline`` it ends with ``DeadlineExceededError``."""
+        not verified by ``deadline`` (see ``extend``) it ends with ``AbortedError``: the
+        peer stopped making progress."""
 
     @abstractmethod
     def verify(self, request_id: str, checksum: int, epoch: int) -> None:
@@ -197,7 +222,14 @@ class KVReceiver(ABC):
     @abstractmethod
     def cancel(self, request_id: str) -> None:
         """End the lease with ``CancelledError``; late data is discarded. Non-blocking (the
-        completion follows once no peer is mid-write); a no-op if unknown or ended."""
+        completion follows once no peer is mid-write, which for a stalled but live peer
+        may be much later: its blocks stay quarantined meanwhile); a no-op if unknown or
+        ended."""
+
+    @abstractmethod
+    def extend(self, request_id: str, deadline: float) -> None:
+        """Move the lease's deadline to ``deadline`` if that is later: the peer showed
+        progress. Non-blocking; a no-op for an unknown or ending lease."""
 
     @abstractmethod
     def close(self) -> None:

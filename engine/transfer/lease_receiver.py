@@ -42,6 +42,11 @@ logger = logging.getLogger(__name__)
 
 _IDLE_WAKE_S = 0.2  # the worker's longest sleep with nothing due
 _DRAIN_POLL_S = 0.001  # how often a revoked lease re-checks for writers still at work
+# Past the drain bound a lease waits on a stalled writer: check it (and whether it died)
+# less often.
+_QUARANTINE_POLL_S = 0.05
+# How long ``close`` waits for a peer mid-write before it tears the pool down anyway.
+_CLOSE_DRAIN_S = 2.0
 
 
 @dataclass(slots=True)
@@ -57,6 +62,8 @@ class Lease:
     outcome: BatonError | None = None  # the ending error, once decided
     verifying: bool = False  # the ending is a verification
     revoked_at: float | None = None
+    quarantined: bool = False  # revoked, past the drain bound, a live writer's claim stands
+    next_liveness_check: float = 0.0
     # Backends that receive actively (gloo) track the data here.
     receiving: bool = False
     arrived: bool = False
@@ -156,6 +163,12 @@ class LeaseReceiver(KVReceiver):
     def cancel(self, request_id: str) -> None:
         self._end(request_id, CancelledError(f"request {request_id}: cancelled"))
 
+    def extend(self, request_id: str, deadline: float) -> None:
+        with self._cond:
+            lease = self._leases.get(request_id)
+            if lease is not None and not lease.ending and deadline > lease.deadline:
+                lease.deadline = deadline
+
     def close(self) -> None:
         with self._cond:
             if self._closing:
@@ -241,8 +254,11 @@ class LeaseReceiver(KVReceiver):
                 if lease.reported_checksum is not None and self._data_ready(lease):
                     lease.verifying = True
                 elif now >= lease.deadline:
-                    lease.outcome = DeadlineExceededError(
-                        f"request {lease.request_id}: KV did not arrive and verify by its deadline"
+                    # The deadline moves with the peer's progress (``extend``): reaching it
+                    # means the peer stalled, not that the client ran out of time.
+                    lease.outcome = AbortedError(
+                        f"request {lease.request_id}: KV did not arrive and verify by the "
+                        "lease deadline (the prefill peer stopped making progress)"
                     )
                 else:
                     timeout = min(timeout, lease.deadline - now)
@@ -250,18 +266,43 @@ class LeaseReceiver(KVReceiver):
             if lease.revoked_at is None:
                 self._revoke(lease)
                 lease.revoked_at = now
-            if self._writers_idle(lease):
+            if self._writers_idle(lease) or self._writers_gone(lease, now):
                 finished.append(lease)
-            elif now - lease.revoked_at > self.config.drain_timeout_s:
-                logger.error("request %s: a peer still marks its blocks busy after %.1f s; "
-                             "assuming it died mid-write", lease.request_id,
-                             self.config.drain_timeout_s)
+                continue
+            waited = now - lease.revoked_at
+            if self._closing and waited > min(self.config.drain_s, _CLOSE_DRAIN_S):
+                # The pool is being torn down: nothing will reuse these blocks.
                 finished.append(lease)
-            else:
-                timeout = min(timeout, _DRAIN_POLL_S)
+                continue
+            drained = waited > self.config.drain_s
+            if drained and not lease.quarantined:
+                lease.quarantined = True
+                logger.error("request %s: a live peer still claims %d block(s) %.1f s after "
+                             "the lease ended; quarantined until it lets go or dies",
+                             lease.request_id, len(lease.block_ids), self.config.drain_s)
+            timeout = min(timeout, _QUARANTINE_POLL_S if drained else _DRAIN_POLL_S)
         for lease in finished:
             del self._leases[lease.request_id]
         return finished, max(timeout, 0.0)
+
+    def _writers_gone(self, lease: Lease, now: float) -> bool:
+        """True once every writer still claiming the lease's blocks is known dead (and
+        its claims are cleared). Checked at most every ``_QUARANTINE_POLL_S``."""
+        if now < lease.next_liveness_check:
+            return False
+        lease.next_liveness_check = now + _QUARANTINE_POLL_S
+        return self._clear_dead_writers(lease)
+
+    def _clear_dead_writers(self, lease: Lease) -> bool:
+        """Backend hook: clear the claims of writers known dead; True if none is left.
+        Writers that live in this process (a receive thread) never die apart from it."""
+        return False
+
+    @property
+    def num_quarantined(self) -> int:
+        """Leases ended past the drain bound whose blocks a live peer still claims."""
+        with self._cond:
+            return sum(1 for lease in self._leases.values() if lease.quarantined)
 
     def _finish(self, lease: Lease) -> None:
         error = lease.outcome

@@ -1,12 +1,17 @@
 """The ``shm`` transport: decode's KV pool lives in POSIX shared memory; prefill writes into it.
 
-The segment holds a header (magic, incarnation, layout, closed flag), two per-block
+The segment holds a header (magic, incarnation, layout, closed flag), three per-block
 lease tables and the pool. ``owner[b]`` is the token of the lease that may receive
 block b (0: none); ``writing[b]`` is the token a sender has claimed it with while it
-copies. A sender claims, then re-reads ``owner`` before every layer group; a receiver
-revokes ``owner``, then waits until no claim with the lease's token remains. With a full
-barrier between each side's store and load (Dekker's handshake), no write lands after the
-receiver has seen the blocks idle, so a revoked lease is never written.
+copies, and ``writer[b]`` that sender's id. A sender claims, then re-reads ``owner``
+before every layer group; a receiver revokes ``owner``, then waits until no claim with
+the lease's token remains. With a full barrier between each side's store and load
+(Dekker's handshake), no write lands after the receiver has seen the blocks idle, so a
+revoked lease is never written.
+
+A claim that stands is waited out for as long as its sender lives: a stalled sender may
+still finish the group it is copying, so its blocks are quarantined, never reused. Only
+a sender known dead (``writer_liveness``) has its claims cleared.
 """
 
 from __future__ import annotations
@@ -41,11 +46,12 @@ from engine.transfer.block_copy import (
 )
 from engine.transfer.lease_receiver import Lease, LeaseReceiver
 from engine.transfer.queued_sender import PeerLink, QueuedSender, StopCheck
+from engine.transfer.writer_liveness import WriterLock, writer_alive
 
 logger = logging.getLogger(__name__)
 
 _MAGIC = 0x6261746F6E4B5631  # "batonKV1"
-_VERSION = 1
+_VERSION = 2
 _HEADER_BYTES = 4096
 _PAGE = 4096
 _SHM_DIR = "/dev/shm"
@@ -105,6 +111,8 @@ class ShmSegment:
                                    offset=_HEADER_BYTES)
         self.writing = np.frombuffer(buffer, dtype=np.int64, count=self.num_blocks,
                                      offset=_HEADER_BYTES + 8 * self.num_blocks)
+        self.writer = np.frombuffer(buffer, dtype=np.int64, count=self.num_blocks,
+                                    offset=_HEADER_BYTES + 16 * self.num_blocks)
         self.pool: torch.Tensor | None = None
         if with_pool:
             shape = self.layout.pool_shape(self.num_blocks)
@@ -115,7 +123,7 @@ class ShmSegment:
     @staticmethod
     def size(layout: KVLayout, num_blocks: int, with_pool: bool) -> tuple[int, int]:
         """(total bytes, pool offset) of a segment."""
-        tables = 2 * 8 * num_blocks
+        tables = 3 * 8 * num_blocks
         pool_offset = _HEADER_BYTES + (tables + _PAGE - 1) // _PAGE * _PAGE
         pool_bytes = layout.block_bytes * num_blocks if with_pool else 0
         return pool_offset + pool_bytes, pool_offset
@@ -146,7 +154,7 @@ class ShmSegment:
 
     def release(self) -> None:
         """Drop our views; the mapping lives on while others (the engine) hold the pool."""
-        self.header = self.owner = self.writing = np.empty(0, dtype=np.int64)
+        self.header = self.owner = self.writing = self.writer = np.empty(0, dtype=np.int64)
         self.pool = None
 
 
@@ -270,7 +278,22 @@ class ShmReceiver(LeaseReceiver):
 
     def _writers_idle(self, lease: Lease) -> bool:
         full_barrier()
-        return not bool((self._segment.writing[_index(lease.block_ids)] == lease.token).any())
+        index = _index(lease.block_ids)
+        claimed = index[self._segment.writing[index] == lease.token]
+        return claimed.size == 0
+
+    def _clear_dead_writers(self, lease: Lease) -> bool:
+        index = _index(lease.block_ids)
+        claimed = index[self._segment.writing[index] == lease.token]
+        writers = {int(w) for w in self._segment.writer[claimed]}
+        if any(writer_alive(w) for w in writers):
+            return False
+        # Every claimant is gone: nothing can write these blocks any more.
+        still = claimed[self._segment.writing[claimed] == lease.token]
+        self._segment.writing[still] = 0
+        logger.warning("request %s: sender(s) %s died holding %d block claim(s); cleared",
+                       lease.request_id, sorted(writers), still.size)
+        return True
 
     def _data_ready(self, lease: Lease) -> bool:
         return True  # senders write in place; verify is the arrival signal
@@ -285,8 +308,9 @@ class ShmLink(PeerLink):
     """A mapped receiver segment; copies source blocks straight into its pool."""
 
     def __init__(self, segment: ShmSegment, pool: torch.Tensor, kv: torch.Tensor,
-                 layout: KVLayout, config: TransferConfig) -> None:
+                 layout: KVLayout, config: TransferConfig, writer: int) -> None:
         self.incarnation = segment.incarnation
+        self._writer = writer
         self._segment = segment
         self._pool = pool
         self._kv = kv
@@ -307,6 +331,7 @@ class ShmLink(PeerLink):
         per_group = layers_per_group(self._layout, n, self._config.group_bytes)
         checksum = KVChecksum()
         nbytes = 0
+        seg.writer[claims] = self._writer  # before the claim: a claim always names its writer
         seg.writing[claims] = desc.lease_token
         try:
             for group, (lo, hi) in enumerate(layer_groups(self._layout.num_layers, per_group)):
@@ -355,6 +380,15 @@ class ShmSender(QueuedSender):
     kind = "shm"
     pool_in_segment = True
 
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        # Held for this sender's life: receivers tell a stalled writer from a dead one.
+        self._writer_lock = WriterLock(self.incarnation)
+
+    def close(self) -> None:
+        super().close()
+        self._writer_lock.close()
+
     def _connect(self, endpoint: KVEndpoint, deadline: float) -> PeerLink:
         segment = attach_segment(endpoint.address, with_pool=self.pool_in_segment)
         try:
@@ -369,7 +403,8 @@ class ShmSender(QueuedSender):
 
     def _make_link(self, segment: ShmSegment, endpoint: KVEndpoint) -> ShmLink:
         assert segment.pool is not None
-        return ShmLink(segment, segment.pool, self.kv_cache, self.layout, self.config)
+        return ShmLink(segment, segment.pool, self.kv_cache, self.layout, self.config,
+                       self._writer_lock.id)
 
 
 def _check_peer(segment: ShmSegment, endpoint: KVEndpoint, layout: KVLayout) -> None:
