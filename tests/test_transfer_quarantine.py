@@ -120,3 +120,99 @@ def test_writer_liveness_follows_the_lock() -> None:
     lock.close()
     assert not writer_alive(lock.id)
     assert not writer_alive(0)
+
+
+# -- stale peer state ------------------------------------------------------------------------
+
+
+def _mapped(name: str) -> bool:
+    with open("/proc/self/maps") as maps:
+        return any(name in line for line in maps)
+
+
+@pytest.mark.parametrize("kind", ["shm", "gloo"])
+def test_sender_drops_the_state_of_a_receiver_that_died(kind: str) -> None:
+    """A decode worker dies (SIGKILL) and never comes back: within seconds the prefill
+    side holds no link to it, and for shm no mapping of its pool."""
+    import gc
+
+    from tests.transfer_peer import descriptor_from_json
+
+    layout = small_layout()
+    source = random_pool(layout, 16, seed=4)
+    sender = make_sender(kind, source, layout, SMALL_GROUPS)
+    peer = spawn_peer("receive", "--kind", kind, "--seed", "4", "--src", "3,4", "--dst", "1,2")
+    try:
+        desc = descriptor_from_json(read_json_line(peer, 30)["descriptor"])
+        sender.submit(SendJob(desc.request_id, (3, 4), desc, _deadline()))
+        assert wait_for(sender.poll).ok
+        assert sender.num_links == 1
+        name = desc.endpoint.address
+        if kind == "shm":
+            assert _mapped(name)
+        peer.kill()
+        peer.wait(10)
+        end = time.monotonic() + 10
+        while sender.num_links and time.monotonic() < end:
+            time.sleep(0.05)
+        assert sender.num_links == 0
+        if kind == "shm":
+            gc.collect()
+            assert not _mapped(name)
+    finally:
+        if peer.poll() is None:
+            peer.kill()
+            peer.wait(5)
+        for pipe in (peer.stdin, peer.stdout):
+            if pipe is not None:
+                pipe.close()
+        sender.close()
+
+
+def test_idle_links_and_pairs_are_dropped_and_rebuilt() -> None:
+    from engine.transfer.base import TransferConfig
+
+    quick = TransferConfig(
+        group_bytes=1, connect_timeout_s=10.0, stall_timeout_s=2.0, peer_idle_s=0.5
+    )
+    layout = small_layout()
+    source = random_pool(layout, 16, seed=5)
+    receiver = make_receiver("gloo", layout, 32, config=quick)
+    sender = make_sender("gloo", source, layout, quick)
+    try:
+        for attempt in range(2):
+            desc = receiver.expect(f"r{attempt}", (1, 2), 1, _deadline())
+            sender.submit(SendJob(f"r{attempt}", (3, 4), desc, _deadline()))
+            sent = wait_for(sender.poll)
+            assert sent.ok, sent.error
+            receiver.verify(f"r{attempt}", sent.checksum or 0, 1)
+            assert wait_for(receiver.poll).ok
+            assert receiver.num_pairs == 1 and sender.num_links == 1
+            end = time.monotonic() + 8
+            while (receiver.num_pairs or sender.num_links) and time.monotonic() < end:
+                time.sleep(0.05)
+            # Idle past the bound: the sender let go first, then the receiver.
+            assert sender.num_links == 0 and receiver.num_pairs == 0
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_receiver_forgets_a_departed_sender() -> None:
+    layout = small_layout()
+    source = random_pool(layout, 16, seed=6)
+    receiver = make_receiver("gloo", layout, 32, config=SMALL_GROUPS)
+    sender = make_sender("gloo", source, layout, SMALL_GROUPS)
+    try:
+        desc = receiver.expect("r", (1, 2), 1, _deadline())
+        sender.submit(SendJob("r", (3, 4), desc, _deadline()))
+        assert wait_for(sender.poll).ok
+        assert receiver.num_pairs == 1
+        receiver.forget_sender(sender.incarnation)
+        end = time.monotonic() + 5
+        while receiver.num_pairs and time.monotonic() < end:
+            time.sleep(0.05)
+        assert receiver.num_pairs == 0
+    finally:
+        sender.close()
+        receiver.close()

@@ -227,6 +227,11 @@ class KVReceiver(ABC):
         ended."""
 
     @abstractmethod
+    def forget_sender(self, sender_incarnation: str) -> None:
+        """Drop every connection of that sender incarnation (it restarted or left): its
+        pair threads and process groups. Non-blocking; a no-op if unknown."""
+
+    @abstractmethod
     def extend(self, request_id: str, deadline: float) -> None:
         """Move the lease's deadline to ``deadline`` if that is later: the peer showed
         progress. Non-blocking; a no-op for an unknown or ending lease."""

@@ -104,8 +104,8 @@ class CudaIpcLink(ShmLink):
     """Copies on a dedicated stream of the source GPU (and of the pool's GPU if different)."""
 
     def __init__(self, segment: ShmSegment, pool: torch.Tensor, kv: torch.Tensor,
-                 layout: KVLayout, config: TransferConfig, writer: int) -> None:
-        super().__init__(segment, pool, kv, layout, config, writer)
+                 layout: KVLayout, config: TransferConfig, writer: int, name: str) -> None:
+        super().__init__(segment, pool, kv, layout, config, writer, name)
         self._src_stream = torch.cuda.Stream(kv.device)
         same = pool.device == kv.device
         self._dst_stream = self._src_stream if same else torch.cuda.Stream(pool.device)
@@ -166,4 +166,4 @@ class CudaIpcSender(ShmSender):
             raise UnavailableError(f"cannot open the CUDA IPC pool of receiver "
                                    f"{endpoint.incarnation}: {exc}") from exc
         return CudaIpcLink(segment, pool, self.kv_cache, self.layout, self.config,
-                           self._writer_lock.id)
+                           self._writer_lock.id, endpoint.address)

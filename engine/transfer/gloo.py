@@ -13,6 +13,7 @@ job headers) goes through the store; see ``store_protocol``.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from collections import deque
@@ -86,6 +87,7 @@ class _Pair:
     thread: threading.Thread
     jobs: KeySeries | None = None  # set by the pair thread once its group exists
     stopped: bool = False
+    last_active: float = 0.0  # time.monotonic() of its hello or its last job
 
 
 class GlooReceiver(LeaseReceiver):
@@ -165,6 +167,35 @@ class GlooReceiver(LeaseReceiver):
     def _client(self) -> dist.TCPStore:
         return client_store(self._host, self._port, self.config.connect_timeout_s)
 
+    @property
+    def num_pairs(self) -> int:
+        """Sender connections with a live pair thread."""
+        with self._pairs_lock:
+            return sum(1 for p in self._pairs.values() if p.thread.is_alive() and not p.stopped)
+
+    def forget_sender(self, sender_incarnation: str) -> None:
+        with self._pairs_lock:
+            gone = [p for p in self._pairs.values() if p.sender == sender_incarnation]
+        for pair in gone:
+            logger.info("%s receiver %s: dropping pair %d of departed sender %s", self.kind,
+                        self.incarnation, pair.number, sender_incarnation)
+            self._stop_pair(pair)
+
+    def _housekeeping(self) -> None:
+        # A live sender reconnects after peer_idle_s without a job; a pair idle for twice
+        # that belongs to a sender that is gone.
+        now = time.monotonic()
+        with self._pairs_lock:
+            idle = [p for p in self._pairs.values()
+                    if not p.stopped and now - p.last_active > 2 * self.config.peer_idle_s]
+            # Forget pairs whose thread has ended (ident None: not started yet).
+            self._pairs = {k: p for k, p in self._pairs.items()
+                           if p.thread.is_alive() or p.thread.ident is None}
+        for pair in idle:
+            logger.info("%s receiver %s: dropping pair %d of sender %s, idle %.0f s", self.kind,
+                        self.incarnation, pair.number, pair.sender, now - pair.last_active)
+            self._stop_pair(pair)
+
     def _stop_pair(self, pair: _Pair) -> None:
         with self._pairs_lock:
             pair.stopped = True
@@ -199,7 +230,8 @@ class GlooReceiver(LeaseReceiver):
         thread = threading.Thread(target=self._pair_main, args=(n, hello.sender_incarnation),
                                   daemon=True, name=f"baton-transfer-{self.kind}-pair-{n}")
         with self._pairs_lock:
-            self._pairs[n] = _Pair(n, hello.sender_incarnation, thread)
+            self._pairs[n] = _Pair(n, hello.sender_incarnation, thread,
+                                   last_active=time.monotonic())
         thread.start()
         self._store.set(verdict_key(n), VERDICT_OK)
 
@@ -227,6 +259,7 @@ class GlooReceiver(LeaseReceiver):
         staging = (Staging(self.pair_group.device), Staging(self.pair_group.device))
         try:
             while (raw := jobs.take()) is not None:
+                pair.last_active = time.monotonic()
                 header = JobHeader.from_bytes(raw)
                 if header.seq != jobs.position - 1:
                     raise AbortedError(f"job header seq {header.seq} under key "
@@ -339,8 +372,9 @@ class GlooLink(PeerLink):
 
     def __init__(self, store: dist.TCPStore, pg: dist.ProcessGroup, prefix: str,
                  incarnation: str, kv: torch.Tensor, layout: KVLayout, config: TransferConfig,
-                 pair_group: PairGroup) -> None:
+                 pair_group: PairGroup, address: str) -> None:
         self.incarnation = incarnation
+        self._address = address
         self._store: dist.TCPStore | None = store
         self._pg: dist.ProcessGroup | None = pg
         self._prefix = prefix
@@ -412,6 +446,19 @@ class GlooLink(PeerLink):
             raise stopped
         return checksum.value, nbytes
 
+    def gone(self) -> bool:
+        # A receiver's store dies with it: a refused connection means the process is
+        # gone. Anything else (it answers, or the host is slow) says nothing; the idle
+        # bound covers those.
+        host, port = parse_address(self._address)
+        try:
+            socket.create_connection((host, port), timeout=0.5).close()
+        except ConnectionRefusedError:
+            return True
+        except OSError:
+            return False
+        return False
+
     def close(self) -> None:
         self._pg = None
         self._store = None
@@ -466,4 +513,4 @@ class GlooSender(QueuedSender):
         logger.info("%s sender %s: joined receiver %s at %s (pair %d)", self.kind,
                     self.incarnation, live, endpoint.address, n)
         return GlooLink(store, pg, prefix, live, self.kv_cache, self.layout, self.config,
-                        self.pair_group)
+                        self.pair_group, endpoint.address)

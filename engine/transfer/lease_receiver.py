@@ -24,7 +24,6 @@ from engine.errors import (
     AbortedError,
     BatonError,
     CancelledError,
-    DeadlineExceededError,
     UnavailableError,
 )
 from engine.kv_layout import KVLayout
@@ -45,6 +44,7 @@ _DRAIN_POLL_S = 0.001  # how often a revoked lease re-checks for writers still a
 # Past the drain bound a lease waits on a stalled writer: check it (and whether it died)
 # less often.
 _QUARANTINE_POLL_S = 0.05
+_HOUSEKEEPING_S = 1.0
 # How long ``close`` waits for a peer mid-write before it tears the pool down anyway.
 _CLOSE_DRAIN_S = 2.0
 
@@ -163,6 +163,9 @@ class LeaseReceiver(KVReceiver):
     def cancel(self, request_id: str) -> None:
         self._end(request_id, CancelledError(f"request {request_id}: cancelled"))
 
+    def forget_sender(self, sender_incarnation: str) -> None:
+        """Senders that write in place (shm, cuda_ipc) leave no state here."""
+
     def extend(self, request_id: str, deadline: float) -> None:
         with self._cond:
             lease = self._leases.get(request_id)
@@ -233,6 +236,7 @@ class LeaseReceiver(KVReceiver):
     # -- worker -----------------------------------------------------------------------------
 
     def _run(self) -> None:
+        next_housekeeping = time.monotonic() + _HOUSEKEEPING_S
         while True:
             with self._cond:
                 finished, timeout = self._sweep()
@@ -240,9 +244,15 @@ class LeaseReceiver(KVReceiver):
                     if self._closing and not self._leases:
                         return
                     self._cond.wait(timeout)
-                    continue
             for lease in finished:
                 self._finish(lease)
+            if time.monotonic() >= next_housekeeping:
+                self._housekeeping()
+                next_housekeeping = time.monotonic() + _HOUSEKEEPING_S
+
+    def _housekeeping(self) -> None:
+        """Backend hook, about once a second on the worker thread, outside the lock:
+        drop state of peers that are gone."""
 
     def _sweep(self) -> tuple[list[Lease], float]:
         """Advance every lease; return the ones ready to complete and how long to sleep."""

@@ -2,6 +2,9 @@
 
 A backend supplies only ``_connect`` (open a ``PeerLink`` to one receiver incarnation)
 and the link's ``send``. Links are created, used and closed on the worker thread alone.
+A link is dropped when a descriptor names another incarnation at its address, when its
+receiver is gone (``PeerLink.gone``), or after ``peer_idle_s`` without a job, so a dead
+or departed decode worker's mapping or process group never outlives it for long.
 """
 
 from __future__ import annotations
@@ -54,6 +57,11 @@ class PeerLink(ABC):
         consistent). Raises typed ``BatonError``s; blocks for at most the job deadline
         plus one stall timeout."""
 
+    def gone(self) -> bool:
+        """True once the receiver is known to have closed or died. May do a little I/O;
+        called on the worker thread between jobs. Never raises."""
+        return False
+
     @abstractmethod
     def close(self) -> None:
         """Release the mapping / process group. Idempotent; never raises."""
@@ -96,6 +104,7 @@ class QueuedSender(KVSender):
         self._closing = False
         self._done: deque[SendCompletion] = deque()
         self._links: dict[str, PeerLink] = {}
+        self._last_used: dict[str, float] = {}
         # Test seam: called on the worker before each layer group as (request_id, group).
         self._on_group: Callable[[str, int], None] | None = None
         self._worker = threading.Thread(
@@ -190,13 +199,29 @@ class QueuedSender(KVSender):
                 f"from ours ({diff})"
             )
 
+    @property
+    def num_links(self) -> int:
+        """Receivers this sender holds state for (mapped pools, process groups)."""
+        with self._cond:
+            return len(self._links)
+
     def _run(self) -> None:
+        reap_every = min(1.0, self.config.peer_idle_s / 4)
+        next_reap = time.monotonic() + reap_every
         while True:
+            if time.monotonic() >= next_reap:
+                self._reap_links()
+                next_reap = time.monotonic() + reap_every
             with self._cond:
                 while not self._queue and not self._closing:
-                    self._cond.wait()
+                    wait = next_reap - time.monotonic()
+                    if wait <= 0:
+                        break
+                    self._cond.wait(wait)
                 if not self._queue:
-                    break
+                    if self._closing:
+                        break
+                    continue  # time to reap
                 job = self._queue.popleft()
                 self._current = job
                 self._stop_reason = None
@@ -204,9 +229,11 @@ class QueuedSender(KVSender):
             with self._cond:
                 self._current = None
             self._complete(completion)
-        for link in self._links.values():
+        with self._cond:
+            links = list(self._links.values())
+            self._links.clear()
+        for link in links:
             link.close()
-        self._links.clear()
 
     def _execute(self, job: SendJob) -> SendCompletion:
         endpoint = job.descriptor.endpoint
@@ -243,13 +270,31 @@ class QueuedSender(KVSender):
             link = None
         if link is None:
             link = self._connect(endpoint, deadline)
-            self._links[endpoint.address] = link
+            with self._cond:
+                self._links[endpoint.address] = link
+        self._last_used[endpoint.address] = time.monotonic()
         return link
 
     def _drop(self, address: str) -> None:
-        link = self._links.pop(address, None)
+        with self._cond:
+            link = self._links.pop(address, None)
+        self._last_used.pop(address, None)
         if link is not None:
             link.close()
+
+    def _reap_links(self) -> None:
+        """Drop links to receivers that are gone or idle past ``peer_idle_s``."""
+        now = time.monotonic()
+        for address, link in list(self._links.items()):
+            idle = now - self._last_used.get(address, now)
+            if idle > self.config.peer_idle_s:
+                logger.info("%s sender %s: dropping idle link to %s (%.0f s without a job)",
+                            self.kind, self.incarnation, address, idle)
+                self._drop(address)
+            elif link.gone():
+                logger.info("%s sender %s: receiver %s at %s is gone; dropping its link",
+                            self.kind, self.incarnation, link.incarnation, address)
+                self._drop(address)
 
     def _check_stop(self, job: SendJob, group: int) -> None:
         if self._on_group is not None:

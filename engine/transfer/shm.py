@@ -308,9 +308,10 @@ class ShmLink(PeerLink):
     """A mapped receiver segment; copies source blocks straight into its pool."""
 
     def __init__(self, segment: ShmSegment, pool: torch.Tensor, kv: torch.Tensor,
-                 layout: KVLayout, config: TransferConfig, writer: int) -> None:
+                 layout: KVLayout, config: TransferConfig, writer: int, name: str) -> None:
         self.incarnation = segment.incarnation
         self._writer = writer
+        self._name = name
         self._segment = segment
         self._pool = pool
         self._kv = kv
@@ -368,6 +369,11 @@ class ShmLink(PeerLink):
                 "expired or superseded); nothing more written"
             )
 
+    def gone(self) -> bool:
+        # Closed cleanly, or unlinked (by its owner or, after a crash, its resource
+        # tracker): either way no lease on it can ever be granted again.
+        return self._segment.closed or not os.path.exists(_segment_path(self._name))
+
     def close(self) -> None:
         self._pool = torch.empty(0)
         self._src_host = self._dst_host = None
@@ -404,7 +410,7 @@ class ShmSender(QueuedSender):
     def _make_link(self, segment: ShmSegment, endpoint: KVEndpoint) -> ShmLink:
         assert segment.pool is not None
         return ShmLink(segment, segment.pool, self.kv_cache, self.layout, self.config,
-                       self._writer_lock.id)
+                       self._writer_lock.id, endpoint.address)
 
 
 def _check_peer(segment: ShmSegment, endpoint: KVEndpoint, layout: KVLayout) -> None:
