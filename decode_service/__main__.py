@@ -49,6 +49,7 @@ async def _run(cfg: WorkerConfig) -> None:
         ready=servicer.start,
         grace_s=cfg.grace_s,
         port_file=cfg.port_file,
+        fatal=servicer.fatal,
     )
     try:
         await serve(spec)

@@ -9,7 +9,6 @@ writing them.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 
@@ -30,7 +29,6 @@ class KVInbox:
         self.receiver: KVReceiver | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._waiters: dict[str, asyncio.Future[RecvCompletion]] = {}
-        self._epochs = itertools.count(1)
 
     def allocate_pool(self, layout: KVLayout, num_blocks: int) -> torch.Tensor:
         """The engine's KV pool, placed where prefill workers can write it.
@@ -64,15 +62,16 @@ class KVInbox:
         return self.receiver.incarnation
 
     def lease(
-        self, request_id: str, block_ids: list[int], timeout_s: float
+        self, request_id: str, block_ids: list[int], generation: int, timeout_s: float
     ) -> tuple[KVDescriptor, asyncio.Future[RecvCompletion]]:
-        """Grant a lease on ``block_ids``; the future resolves when the lease ends."""
+        """Grant a lease on ``block_ids`` (of pool generation ``generation``, the lease's
+        epoch) for ``timeout_s`` unless extended; the future resolves when it ends."""
         assert self.receiver is not None and self._loop is not None
         fut: asyncio.Future[RecvCompletion] = self._loop.create_future()
         self._waiters[request_id] = fut
         try:
             desc = self.receiver.expect(
-                request_id, tuple(block_ids), next(self._epochs), time.monotonic() + timeout_s
+                request_id, tuple(block_ids), generation, time.monotonic() + timeout_s
             )
         except BaseException:
             self._waiters.pop(request_id, None)
@@ -82,6 +81,20 @@ class KVInbox:
     def verify(self, request_id: str, checksum: int, epoch: int) -> None:
         assert self.receiver is not None
         self.receiver.verify(request_id, checksum, epoch)
+
+    def extend(self, request_id: str, timeout_s: float) -> None:
+        """The peer made progress: the lease lives ``timeout_s`` from now."""
+        assert self.receiver is not None
+        self.receiver.extend(request_id, time.monotonic() + timeout_s)
+
+    def forget_sender(self, sender_incarnation: str) -> None:
+        assert self.receiver is not None
+        self.receiver.forget_sender(sender_incarnation)
+
+    @property
+    def num_quarantined(self) -> int:
+        """Leases whose blocks a stalled live sender still claims."""
+        return self.receiver.num_quarantined if self.receiver is not None else 0
 
     def cancel(self, request_id: str) -> None:
         """End the lease; its future still resolves (with CancelledError) once no peer

@@ -205,6 +205,15 @@ class AsyncEngine:
         """
         return self._snapshot
 
+    def computed_tokens(self, request_id: str) -> int:
+        """Tokens of ``request_id`` computed so far (0 when unknown or finished).
+
+        A lock-free read of one int the engine thread owns: possibly a step stale, never
+        torn. For progress reports, not for decisions.
+        """
+        req = self.core.scheduler.requests.get(request_id)
+        return req.num_computed_tokens if req is not None else 0
+
     @property
     def snapshot_age_s(self) -> float:
         """Seconds since the engine thread last published a snapshot (it publishes at

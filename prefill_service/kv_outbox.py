@@ -46,6 +46,11 @@ class KVOutbox:
     def cancel(self, request_id: str) -> None:
         self.sender.cancel(request_id)
 
+    @property
+    def progress(self) -> int:
+        """Grows while the sender moves data (see ``KVSender.progress``)."""
+        return self.sender.progress
+
     def close(self) -> None:
         self.sender.close()
         self._drain()

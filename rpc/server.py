@@ -68,6 +68,10 @@ class ServerSpec:
     grace_s: float = 30.0  # how long in-flight calls may drain on stop
     port_file: Path | None = None  # written atomically with the bound port, if set
     options: tuple[tuple[str, int], ...] = SERVER_OPTIONS
+    # Awaited once ready; when it returns (a reason), the service can no longer serve
+    # (its engine died): health goes NOT_SERVING and new calls are refused with
+    # UNAVAILABLE, so probes and the gateway route around it. None: never.
+    fatal: Callable[[], Awaitable[str]] | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -164,6 +168,7 @@ class RpcServer:
         self._server: grpc.aio.Server | None = None
         self._gate = _Gate()
         self._ready_task: asyncio.Task[None] | None = None
+        self._fatal_task: asyncio.Task[None] | None = None
         self._stopping: asyncio.Task[None] | None = None
 
     @property
@@ -225,6 +230,17 @@ class RpcServer:
         for name in ("", *self.spec.service_names):
             await self.health_servicer.set(name, SERVING)
         logger.info("%s is SERVING", self.spec.name)
+        if self.spec.fatal is not None:
+            self._fatal_task = asyncio.create_task(self._watch_fatal(self.spec.fatal))
+
+    async def _watch_fatal(self, fatal: Callable[[], Awaitable[str]]) -> None:
+        reason = await fatal()
+        if self._stopping is not None:
+            return
+        logger.error("%s cannot serve any more (%s): NOT_SERVING", self.spec.name, reason)
+        self._gate.close(f"{self.spec.name} cannot serve: {reason}")
+        for name in ("", *self.spec.service_names):
+            await self.health_servicer.set(name, NOT_SERVING)
 
     async def stop(self) -> None:
         """Drain and stop (see the module doc). Safe to call twice or concurrently."""
@@ -240,6 +256,8 @@ class RpcServer:
         began = time.monotonic()
         if self._ready_task is not None and not self._ready_task.done():
             self._ready_task.cancel()
+        if self._fatal_task is not None and not self._fatal_task.done():
+            self._fatal_task.cancel()
         await self.health_servicer.enter_graceful_shutdown()
         self._gate.close(f"{name} is shutting down")
         logger.info(

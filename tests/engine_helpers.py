@@ -11,7 +11,7 @@ from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 
 
-def make_core(model: Path | str, **overrides: Any) -> EngineCore:
+def make_core(model: Path | str, *, kv_pool_factory: Any = None, **overrides: Any) -> EngineCore:
     fields: dict[str, Any] = {
         "model": str(model),
         "dtype": "float32",
@@ -20,7 +20,7 @@ def make_core(model: Path | str, **overrides: Any) -> EngineCore:
         "max_num_batched_tokens": 256,
     }
     fields.update(overrides)
-    return EngineCore(EngineConfig(**fields), show_progress=False)
+    return EngineCore(EngineConfig(**fields), kv_pool_factory=kv_pool_factory, show_progress=False)
 
 
 def hf_model(path: Path, dtype: torch.dtype = torch.float32) -> Any:

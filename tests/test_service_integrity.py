@@ -59,11 +59,13 @@ class FakePrefill(worker_pb2_grpc.PrefillWorkerServicer):
     Behaviours: ``ok`` (first token, then a TransferComplete whose checksum matches the
     blocks as they are), ``bad_checksum``, ``bad_epoch``, ``no_transfer_complete`` (first
     token, then silence), ``no_first_token`` (silence), ``close_after_first_token``,
-    ``unavailable`` (fails before the first token).
+    ``unavailable`` (fails before the first token), ``slow_with_progress`` (progress
+    beats for 3x the stall bound, then ok), ``progress_then_silence``.
     """
 
     def __init__(self, decode: DecodeServicer) -> None:
         self.decode = decode
+        self.other_decodes: list[DecodeServicer] = []  # more decode workers it serves
         self.behaviour = "ok"
         self.requests: list[worker_pb2.PrefillRequest] = []
         self.acks: list[worker_pb2.TransferAck] = []
@@ -82,6 +84,20 @@ class FakePrefill(worker_pb2_grpc.PrefillWorkerServicer):
             if behaviour == "unavailable":
                 raise UnavailableError("fake prefill is going away")
             if behaviour == "no_first_token":
+                await asyncio.sleep(3600)
+            if behaviour == "slow_with_progress":
+                # A long prefill: silent apart from progress beats, 3x the stall bound.
+                for _ in range(10):
+                    await asyncio.sleep(TRANSFER_TIMEOUT_S * 0.3)
+                    yield worker_pb2.PrefillServerMessage(
+                        progress=worker_pb2.PrefillProgress(
+                            phase=worker_pb2.PREFILL_PHASE_PREFILLING, num_computed_tokens=16
+                        )
+                    )
+            if behaviour == "progress_then_silence":
+                yield worker_pb2.PrefillServerMessage(
+                    progress=worker_pb2.PrefillProgress(phase=worker_pb2.PREFILL_PHASE_QUEUED)
+                )
                 await asyncio.sleep(3600)
             yield worker_pb2.PrefillServerMessage(
                 first_token=worker_pb2.FirstToken(token_id=FIRST_TOKEN)
@@ -112,8 +128,10 @@ class FakePrefill(worker_pb2_grpc.PrefillWorkerServicer):
 
     def _checksum(self, req: worker_pb2.PrefillRequest) -> int:
         """What a real sender would report for the blocks as they are now."""
-        receiver = self.decode.inbox.receiver  # type: ignore[union-attr]
-        assert receiver is not None
+        receivers = [d.inbox.receiver for d in (self.decode, *self.other_decodes)]  # type: ignore[union-attr]
+        receiver = next(
+            r for r in receivers if r is not None and r.endpoint.address == req.kv.endpoint
+        )
         return checksum_blocks(
             receiver.kv_cache, receiver.layout, tuple(req.kv.block_ids), 16 << 20, Staging("cpu")
         )
@@ -346,7 +364,9 @@ async def test_no_transfer_complete_ends_at_the_transfer_timeout(rig: Rig) -> No
     rig.prefill.behaviour = "no_transfer_complete"
     rid = _rid("silent")
     ending = await _decode(rig, _decode_request(rid, rig.prefill_address))
-    assert ending.code is grpc.StatusCode.DEADLINE_EXCEEDED, str(ending)
+    # A stalled peer, while the client's deadline is far away: retryable ABORTED.
+    assert ending.code is grpc.StatusCode.ABORTED, str(ending)
+    assert "no progress" in ending.details, str(ending)
     assert ending.token_ids in ([], [FIRST_TOKEN]), str(ending)
     assert TRANSFER_TIMEOUT_S - 0.1 < ending.elapsed_s < TRANSFER_TIMEOUT_S + 2, str(ending)
     await _decode_settles(rig)
@@ -357,11 +377,72 @@ async def test_no_first_token_ends_at_the_transfer_timeout(rig: Rig) -> None:
     rig.prefill.behaviour = "no_first_token"
     rid = _rid("mute")
     ending = await _decode(rig, _decode_request(rid, rig.prefill_address))
-    assert ending.code is grpc.StatusCode.DEADLINE_EXCEEDED, str(ending)
+    assert ending.code is grpc.StatusCode.ABORTED, str(ending)
     assert ending.token_ids == [], str(ending)
     assert ending.elapsed_s < TRANSFER_TIMEOUT_S + 2, str(ending)
     await _decode_settles(rig)
     assert _attempted(rid, rig.prefill.cancelled), "decode left the Prefill stream open"
+
+
+async def test_progress_beats_keep_a_long_prefill_alive(rig: Rig) -> None:
+    """The hand-off bound is on progress, not on prompt length: a prefill that takes 3x
+    the stall bound but keeps reporting progress completes."""
+    rig.prefill.behaviour = "slow_with_progress"
+    ending = await _decode(rig, _decode_request(_rid("slow"), rig.prefill_address))
+    assert ending.code is grpc.StatusCode.OK, str(ending)
+    assert ending.elapsed_s > 2.5 * TRANSFER_TIMEOUT_S, str(ending)
+    await _decode_settles(rig)
+
+
+async def test_silence_after_a_beat_ends_at_the_stall_bound(rig: Rig) -> None:
+    rig.prefill.behaviour = "progress_then_silence"
+    ending = await _decode(rig, _decode_request(_rid("beat-then-mute"), rig.prefill_address))
+    assert ending.code is grpc.StatusCode.ABORTED, str(ending)
+    assert ending.elapsed_s < TRANSFER_TIMEOUT_S + 2, str(ending)
+    await _decode_settles(rig)
+
+
+async def test_two_decode_workers_sharing_a_prefill_worker_never_collide(
+    rig: Rig, tiny_llama: Path
+) -> None:
+    """The same client request id (a gateway retry, or two gateways) on two fresh decode
+    workers reaches the shared prefill worker as two distinct ids."""
+    decodes = [DecodeServicer(_decode_config(tiny_llama)) for _ in range(2)]
+    servers = [
+        await _serve(
+            f"decode-{i}",
+            DECODE_SERVICE,
+            lambda s, d=d: worker_pb2_grpc.add_DecodeWorkerServicer_to_server(d, s),
+            ready=d.start,
+        )
+        for i, d in enumerate(decodes)
+    ]
+    rig.prefill.other_decodes.extend(decodes)
+    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{s.port}") for s in servers]
+    try:
+        rig.prefill.behaviour = "ok"
+        rid = _rid("shared")
+        rigs = [
+            Rig(d, "", rig.prefill, rig.prefill_address, worker_pb2_grpc.DecodeWorkerStub(c))
+            for d, c in zip(decodes, channels, strict=True)
+        ]
+        endings = await asyncio.gather(
+            *(_decode(r, _decode_request(rid, rig.prefill_address)) for r in rigs)
+        )
+        assert all(e.code is grpc.StatusCode.OK for e in endings), [str(e) for e in endings]
+        seen = [r.request_id for r in rig.prefill.requests if r.request_id.startswith(rid)]
+        assert len(seen) == 2 and len(set(seen)) == 2, seen
+        for r in rigs:
+            await _decode_settles(r)
+    finally:
+        for d in decodes:
+            rig.prefill.other_decodes.remove(d)
+        for c in channels:
+            await c.close()
+        for server in servers:
+            await server.stop()
+        for d in decodes:
+            await d.close()
 
 
 @pytest.mark.parametrize(

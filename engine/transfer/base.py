@@ -164,6 +164,13 @@ class KVSender(ABC):
     def poll(self) -> list[SendCompletion]:
         """Drain the completions queued so far. Non-blocking; safe from any thread."""
 
+    @property
+    @abstractmethod
+    def progress(self) -> int:
+        """A counter that grows every time the sender moves a piece of data (a layer
+        group): a caller that sees it change knows the sender is not stuck. Safe from any
+        thread."""
+
     @abstractmethod
     def cancel(self, request_id: str) -> None:
         """Stop the job for ``request_id``: a queued one is dropped, one in flight stops at
@@ -225,6 +232,12 @@ class KVReceiver(ABC):
         completion follows once no peer is mid-write, which for a stalled but live peer
         may be much later: its blocks stay quarantined meanwhile); a no-op if unknown or
         ended."""
+
+    @property
+    @abstractmethod
+    def num_quarantined(self) -> int:
+        """Ended leases whose blocks a stalled but live sender still claims. Safe from any
+        thread."""
 
     @abstractmethod
     def forget_sender(self, sender_incarnation: str) -> None:

@@ -105,6 +105,7 @@ class QueuedSender(KVSender):
         self._done: deque[SendCompletion] = deque()
         self._links: dict[str, PeerLink] = {}
         self._last_used: dict[str, float] = {}
+        self._groups_started = 0
         # Test seam: called on the worker before each layer group as (request_id, group).
         self._on_group: Callable[[str, int], None] | None = None
         self._worker = threading.Thread(
@@ -296,7 +297,12 @@ class QueuedSender(KVSender):
                             self.kind, self.incarnation, link.incarnation, address)
                 self._drop(address)
 
+    @property
+    def progress(self) -> int:
+        return self._groups_started
+
     def _check_stop(self, job: SendJob, group: int) -> None:
+        self._groups_started += 1  # one writer thread: a plain int is enough
         if self._on_group is not None:
             self._on_group(job.request_id, group)
         with self._cond:

@@ -9,12 +9,23 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class PrefillPhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PREFILL_PHASE_UNSPECIFIED: _ClassVar[PrefillPhase]
+    PREFILL_PHASE_QUEUED: _ClassVar[PrefillPhase]
+    PREFILL_PHASE_PREFILLING: _ClassVar[PrefillPhase]
+    PREFILL_PHASE_TRANSFERRING: _ClassVar[PrefillPhase]
+
 class WorkerRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     WORKER_ROLE_UNSPECIFIED: _ClassVar[WorkerRole]
     WORKER_ROLE_PREFILL: _ClassVar[WorkerRole]
     WORKER_ROLE_DECODE: _ClassVar[WorkerRole]
     WORKER_ROLE_BOTH: _ClassVar[WorkerRole]
+PREFILL_PHASE_UNSPECIFIED: PrefillPhase
+PREFILL_PHASE_QUEUED: PrefillPhase
+PREFILL_PHASE_PREFILLING: PrefillPhase
+PREFILL_PHASE_TRANSFERRING: PrefillPhase
 WORKER_ROLE_UNSPECIFIED: WorkerRole
 WORKER_ROLE_PREFILL: WorkerRole
 WORKER_ROLE_DECODE: WorkerRole
@@ -51,16 +62,26 @@ class PrefillClientMessage(_message.Message):
     def __init__(self, request: _Optional[_Union[PrefillRequest, _Mapping]] = ..., ack: _Optional[_Union[TransferAck, _Mapping]] = ...) -> None: ...
 
 class FirstToken(_message.Message):
-    __slots__ = ("token_id", "logprob", "num_cached_tokens", "finish_reason")
+    __slots__ = ("token_id", "logprob", "num_cached_tokens", "finish_reason", "sender_incarnation_id")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    SENDER_INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     logprob: _common_pb2.TokenLogprob
     num_cached_tokens: int
     finish_reason: _common_pb2.FinishReason
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ...) -> None: ...
+    sender_incarnation_id: str
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., sender_incarnation_id: _Optional[str] = ...) -> None: ...
+
+class PrefillProgress(_message.Message):
+    __slots__ = ("phase", "num_computed_tokens")
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    phase: PrefillPhase
+    num_computed_tokens: int
+    def __init__(self, phase: _Optional[_Union[PrefillPhase, str]] = ..., num_computed_tokens: _Optional[int] = ...) -> None: ...
 
 class TransferComplete(_message.Message):
     __slots__ = ("request_id", "checksum", "epoch", "num_bytes")
@@ -75,12 +96,14 @@ class TransferComplete(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., checksum: _Optional[int] = ..., epoch: _Optional[int] = ..., num_bytes: _Optional[int] = ...) -> None: ...
 
 class PrefillServerMessage(_message.Message):
-    __slots__ = ("first_token", "transfer_complete")
+    __slots__ = ("first_token", "transfer_complete", "progress")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
     first_token: FirstToken
     transfer_complete: TransferComplete
-    def __init__(self, first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., transfer_complete: _Optional[_Union[TransferComplete, _Mapping]] = ...) -> None: ...
+    progress: PrefillProgress
+    def __init__(self, first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., transfer_complete: _Optional[_Union[TransferComplete, _Mapping]] = ..., progress: _Optional[_Union[PrefillProgress, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "prefill_address")

@@ -1,0 +1,251 @@
+"""The decode side of the KV hand-off (``engine.transfer.handoff`` has the message flow).
+
+For one request: reserve blocks on the engine (the backpressure point), lease them on
+the KV inbox, order a prefill worker to fill them, follow its progress beats (each moves
+the lease's deadline), verify the transfer, wait for the lease to end, acknowledge, and
+only then let the request run and release its first token. Until that moment a failure
+is invisible to the client, so the gateway may retry it elsewhere.
+
+Bounds: the prefill peer may go ``stall_s`` without a message that shows progress; the
+client's own deadline bounds everything. A stalled peer ends the request with ABORTED
+(retryable); the client's deadline with DEADLINE_EXCEEDED.
+
+Cleanup: a request that fails before its hand-off completes cancels its lease and gives
+its blocks back to the engine only once the lease has ended, that is once no peer can
+write them any more, however long a stalled writer takes. The transport is reached
+through ``PrefillLink``, so this module is tested without gRPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+from decode_service.kv_inbox import KVInbox
+from engine.async_engine import AsyncEngine, KVLease
+from engine.errors import AbortedError, DeadlineExceededError, ResourceExhaustedError
+from engine.request import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.transfer.base import RecvCompletion
+from engine.transfer.handoff import (
+    Ack,
+    FirstToken,
+    PrefillEvent,
+    PrefillOrder,
+    Progress,
+    TransferDone,
+)
+
+logger = logging.getLogger(__name__)
+
+_RESERVE_POLL_S = 0.02
+E = TypeVar("E", FirstToken, TransferDone)
+
+
+class PrefillLink(Protocol):
+    """Decode's end of one Prefill stream to one prefill worker.
+
+    ``send`` and ``receive`` raise typed errors (UnavailableError for a lost peer, ...).
+    """
+
+    async def send(self, message: PrefillOrder | Ack) -> None: ...
+
+    async def receive(self) -> PrefillEvent | None:
+        """The next event; None once the peer ended the stream."""
+        ...
+
+    async def done_writing(self) -> None: ...
+
+    def cancel(self) -> None:
+        """End the stream now (idempotent); the peer frees what it holds for it."""
+        ...
+
+
+# Opens the stream to the prefill worker at an address; the float is the time left to
+# the client's deadline in seconds (None: no deadline), computed when it is called.
+OpenLink = Callable[[str, float | None], PrefillLink]
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffLimits:
+    # Longest the prefill peer may go without a message that shows progress.
+    stall_s: float = 30.0
+    # Longest a request may wait for free KV blocks before RESOURCE_EXHAUSTED.
+    reserve_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.stall_s <= 0:
+            raise ValueError(f"stall_s must be > 0, got {self.stall_s}")
+        if self.reserve_timeout_s < 0:
+            raise ValueError(f"reserve_timeout_s must be >= 0, got {self.reserve_timeout_s}")
+
+
+class DecodeHandoff:
+    """Runs the hand-off of every request on one decode worker."""
+
+    def __init__(
+        self, engine: AsyncEngine, inbox: KVInbox, limits: HandoffLimits, open_link: OpenLink
+    ) -> None:
+        self._engine = engine
+        self._inbox = inbox
+        self._limits = limits
+        self._open_link = open_link
+        # prefill address -> incarnation of the KV sender seen there last.
+        self._senders: dict[str, str] = {}
+        self._cleanups: set[asyncio.Task[None]] = set()
+
+    async def run(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        prefill: str,
+        deadline: float | None,
+    ) -> AsyncIterator[RequestOutput]:
+        """The request's outputs, starting with the first token; ``deadline`` is the
+        client's, as ``time.monotonic()`` (None: none). Closing the iterator early
+        cancels the hand-off and frees everything."""
+        lease, stream = await self._reserve(request_id, prompt, params, deadline)
+        lease_ended: asyncio.Future[RecvCompletion] | None = None
+        link: PrefillLink | None = None
+        handed_over = False
+        try:
+            desc, lease_ended = self._inbox.lease(
+                request_id, lease.block_ids, lease.generation, self._limits.stall_s
+            )
+            # The time left is taken now, after the wait for blocks, not when the
+            # request arrived.
+            link = self._open_link(prefill, _remaining(deadline))
+            await link.send(PrefillOrder(request_id, tuple(prompt), params, desc))
+            first = await self._expect(link, FirstToken, request_id, prefill, deadline)
+            self._note_sender(prefill, first.sender_incarnation)
+            done = await self._expect(link, TransferDone, request_id, prefill, deadline)
+            self._inbox.verify(request_id, done.checksum, done.epoch)
+            completion = await self._wait(
+                asyncio.shield(lease_ended), request_id, "verifying the KV", deadline
+            )
+            await link.send(Ack(completion.ok, "" if completion.ok else str(completion.error)))
+            await link.done_writing()
+            if not completion.ok:
+                assert completion.error is not None
+                raise completion.error
+            self._engine.kv_ready(request_id, first.token_id, lease.generation)
+            handed_over = True
+            yield RequestOutput(
+                request_id,
+                [first.token_id],
+                logprobs=[first.logprob] if first.logprob is not None else None,
+                num_prompt_tokens=len(prompt),
+                num_cached_tokens=first.num_cached_tokens,
+            )
+            async for out in stream:
+                yield out
+        finally:
+            if link is not None:
+                link.cancel()
+            if handed_over or lease_ended is None:
+                self._engine.discard(request_id)
+            else:
+                self._inbox.cancel(request_id)
+                task = asyncio.create_task(self._discard_after(request_id, lease_ended))
+                self._cleanups.add(task)
+                task.add_done_callback(self._cleanups.discard)
+
+    async def close(self, timeout_s: float) -> None:
+        """Wait (bounded) for the blocks of failed hand-offs to come back."""
+        if self._cleanups:
+            await asyncio.wait(self._cleanups, timeout=timeout_s)
+
+    # -- steps ------------------------------------------------------------------------
+
+    async def _reserve(
+        self, rid: str, prompt: list[int], params: SamplingParams, deadline: float | None
+    ) -> tuple[KVLease, AsyncIterator[RequestOutput]]:
+        """Reserve KV blocks, waiting briefly for them when the pool is full."""
+        give_up = time.monotonic() + self._limits.reserve_timeout_s
+        if deadline is not None:
+            give_up = min(give_up, deadline)
+        while True:
+            try:
+                return await self._engine.reserve(rid, prompt, params)
+            except ResourceExhaustedError:
+                if time.monotonic() >= give_up:
+                    raise
+            await asyncio.sleep(_RESERVE_POLL_S)
+
+    async def _expect(
+        self,
+        link: PrefillLink,
+        kind: type[E],
+        rid: str,
+        prefill: str,
+        deadline: float | None,
+    ) -> E:
+        """The next event of ``kind``, extending the lease on every progress beat."""
+        while True:
+            event = await self._wait(
+                link.receive(), rid, f"{kind.__name__} from {prefill}", deadline
+            )
+            if event is None:
+                raise AbortedError(
+                    f"request {rid}: prefill {prefill} ended the stream before {kind.__name__}"
+                )
+            if isinstance(event, Progress):
+                self._inbox.extend(rid, self._limits.stall_s)
+                continue
+            if not isinstance(event, kind):
+                raise AbortedError(
+                    f"request {rid}: prefill {prefill} sent {type(event).__name__} where "
+                    f"{kind.__name__} was expected"
+                )
+            return event
+
+    async def _wait(self, awaitable, rid: str, what: str, deadline: float | None):  # noqa: ANN001, ANN202
+        """Await with the stall bound, or the client's deadline if that comes first."""
+        remaining = _remaining(deadline)
+        stall = self._limits.stall_s
+        try:
+            return await asyncio.wait_for(
+                awaitable, stall if remaining is None else min(stall, remaining)
+            )
+        except TimeoutError:
+            if remaining is not None and remaining <= stall:
+                raise DeadlineExceededError(
+                    f"request {rid}: the client's deadline passed while waiting for {what}"
+                ) from None
+            raise AbortedError(
+                f"request {rid}: no progress for {stall:.1f} s while waiting for {what}; "
+                "the prefill worker is stuck or gone"
+            ) from None
+
+    def _note_sender(self, prefill: str, incarnation: str) -> None:
+        """A prefill worker at the same address with a new sender restarted: drop what
+        the inbox still holds for the old one."""
+        if not incarnation:
+            return
+        old = self._senders.get(prefill)
+        if old is not None and old != incarnation:
+            logger.info(
+                "prefill %s restarted (sender %s -> %s); dropping the old one's connections",
+                prefill,
+                old,
+                incarnation,
+            )
+            self._inbox.forget_sender(old)
+        self._senders[prefill] = incarnation
+
+    async def _discard_after(self, rid: str, lease_ended: asyncio.Future[RecvCompletion]) -> None:
+        """Give the blocks back once the lease has ended, i.e. no peer can write them.
+
+        No time bound on purpose: a stalled but live writer keeps them quarantined (the
+        receiver ends the lease when the writer lets go or dies)."""
+        await asyncio.shield(lease_ended)
+        self._engine.discard(rid)
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())

@@ -1,0 +1,52 @@
+"""A ``PrefillLink`` over gRPC: decode's end of one ``PrefillWorker.Prefill`` stream.
+
+Wiring only: records go through ``rpc.convert_handoff``; a failed call surfaces as its
+typed error; a message that breaks the protocol as ABORTED.
+"""
+
+from __future__ import annotations
+
+import grpc
+import grpc.aio
+
+from engine.errors import AbortedError
+from engine.transfer.handoff import Ack, PrefillEvent, PrefillOrder
+from protos.baton.v1 import worker_pb2_grpc
+from rpc.convert_handoff import ack_to_proto, prefill_event_from_proto, prefill_order_to_proto
+from rpc.errors import typed_rpc_errors
+
+
+class GrpcPrefillLink:
+    def __init__(self, channel: grpc.aio.Channel, address: str, timeout: float | None) -> None:
+        self._address = address
+        self._rid = ""
+        self._call = worker_pb2_grpc.PrefillWorkerStub(channel).Prefill(timeout=timeout)
+
+    async def send(self, message: PrefillOrder | Ack) -> None:
+        if isinstance(message, PrefillOrder):
+            self._rid = message.request_id
+            proto = prefill_order_to_proto(message)
+        else:
+            proto = ack_to_proto(self._rid, message)
+        with typed_rpc_errors(f"prefill {self._address}"):
+            await self._call.write(proto)
+
+    async def receive(self) -> PrefillEvent | None:
+        with typed_rpc_errors(f"prefill {self._address}"):
+            msg = await self._call.read()
+        if msg is grpc.aio.EOF:
+            return None
+        try:
+            return prefill_event_from_proto(msg)
+        except ValueError as exc:
+            raise AbortedError(
+                f"request {self._rid}: prefill {self._address} broke the protocol: {exc}"
+            ) from exc
+
+    async def done_writing(self) -> None:
+        with typed_rpc_errors(f"prefill {self._address}"):
+            await self._call.done_writing()
+
+    def cancel(self) -> None:
+        if not self._call.done():
+            self._call.cancel()

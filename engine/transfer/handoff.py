@@ -1,0 +1,88 @@
+"""The records of the KV hand-off protocol between a decode and a prefill worker.
+
+One ``Prefill`` stream per request carries, from decode to prefill, a ``PrefillOrder``
+then an ``Ack``; from prefill to decode, ``Progress`` beats while the request waits,
+prefills or transfers, one ``FirstToken`` and one ``TransferDone``:
+
+    decode                                   prefill
+    reserve blocks, lease them
+    PrefillOrder(descriptor)  ───────────▶   queue, prefill (hold the KV)
+                              ◀───────────   Progress ...      (every beat with progress)
+                              ◀───────────   FirstToken        (sampled at position 0)
+                              ◀───────────   Progress ...      (while the copy runs)
+                              ◀───────────   TransferDone(checksum, epoch)
+    verify, wait for the lease to end
+    Ack(ok)                   ───────────▶   free the source blocks
+    kv_ready -> decode
+
+The lease's deadline moves forward with every ``Progress``, so the bound is on a peer
+that stops making progress, never on how long a long prompt takes to prefill. The
+protocol logic lives in ``decode_service.handoff`` and ``prefill_service.handoff``;
+rpc/convert maps these records to and from protos. Torch-free.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from engine.request import TokenLogprob
+from engine.sampling_params import SamplingParams
+from engine.transfer.base import KVDescriptor
+
+
+class Phase(enum.Enum):
+    """Where a request is on the prefill worker."""
+
+    QUEUED = "queued"
+    PREFILLING = "prefilling"
+    TRANSFERRING = "transferring"
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillOrder:
+    """Decode's request: run this prompt and write its KV into the leased blocks."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    descriptor: KVDescriptor
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """The prefill worker is alive and moving (its engine stepped, or the copy advanced)."""
+
+    phase: Phase
+    num_computed_tokens: int  # of this request's prompt
+
+
+@dataclass(frozen=True, slots=True)
+class FirstToken:
+    """The token sampled at output position 0, sent before the transfer completes."""
+
+    token_id: int
+    logprob: TokenLogprob | None
+    num_cached_tokens: int  # prompt tokens prefill served from its prefix cache
+    sender_incarnation: str  # the prefill worker's KV sender, for decode's peer state
+
+
+@dataclass(frozen=True, slots=True)
+class TransferDone:
+    """The KV is written; decode verifies it against these."""
+
+    checksum: int
+    epoch: int
+    num_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    """Decode's verdict; the prefill worker frees its source blocks on it."""
+
+    ok: bool
+    reason: str = ""
+
+
+# What a prefill worker sends on the stream.
+PrefillEvent = Progress | FirstToken | TransferDone

@@ -1,0 +1,131 @@
+"""The hand-off part of the proto/domain mapping: ``Prefill`` stream messages <->
+``engine.transfer.handoff`` records. Reading validates and names the field, like
+``rpc.convert`` (which maps everything else)."""
+
+from __future__ import annotations
+
+from engine.transfer.handoff import (
+    Ack,
+    FirstToken,
+    Phase,
+    PrefillEvent,
+    PrefillOrder,
+    Progress,
+    TransferDone,
+)
+from protos.baton.v1 import worker_pb2
+from rpc.convert import (
+    kv_descriptor_from_proto,
+    kv_descriptor_to_proto,
+    sampling_params_from_proto,
+    sampling_params_to_proto,
+    token_logprob_from_proto,
+    token_logprob_to_proto,
+)
+
+_PHASE_TO_PROTO = {
+    Phase.QUEUED: worker_pb2.PREFILL_PHASE_QUEUED,
+    Phase.PREFILLING: worker_pb2.PREFILL_PHASE_PREFILLING,
+    Phase.TRANSFERRING: worker_pb2.PREFILL_PHASE_TRANSFERRING,
+}
+_PHASE_FROM_PROTO = {v: k for k, v in _PHASE_TO_PROTO.items()}
+
+
+def prefill_order_to_proto(order: PrefillOrder) -> worker_pb2.PrefillClientMessage:
+    return worker_pb2.PrefillClientMessage(
+        request=worker_pb2.PrefillRequest(
+            request_id=order.request_id,
+            prompt_token_ids=order.prompt_token_ids,
+            sampling_params=sampling_params_to_proto(order.params),
+            kv=kv_descriptor_to_proto(order.descriptor),
+        )
+    )
+
+
+def prefill_order_from_proto(msg: worker_pb2.PrefillClientMessage | None) -> PrefillOrder:
+    """The first message of a Prefill stream, validated; ValueError names the field."""
+    if msg is None or msg.WhichOneof("message") != "request":
+        raise ValueError("the first message of a Prefill stream must be a request")
+    req = msg.request
+    if not req.request_id:
+        raise ValueError("request.request_id is required")
+    if not req.prompt_token_ids:
+        raise ValueError("request.prompt_token_ids must not be empty")
+    if not req.HasField("kv"):
+        raise ValueError("request.kv is required")
+    desc = kv_descriptor_from_proto(req.kv, path="request.kv")
+    if desc.request_id != req.request_id:
+        raise ValueError(
+            f"request.kv.request_id {desc.request_id!r} != request.request_id {req.request_id!r}"
+        )
+    return PrefillOrder(
+        request_id=req.request_id,
+        prompt_token_ids=tuple(req.prompt_token_ids),
+        params=sampling_params_from_proto(req.sampling_params, path="request.sampling_params"),
+        descriptor=desc,
+    )
+
+
+def prefill_event_to_proto(request_id: str, event: PrefillEvent) -> worker_pb2.PrefillServerMessage:
+    if isinstance(event, Progress):
+        return worker_pb2.PrefillServerMessage(
+            progress=worker_pb2.PrefillProgress(
+                phase=_PHASE_TO_PROTO[event.phase], num_computed_tokens=event.num_computed_tokens
+            )
+        )
+    if isinstance(event, FirstToken):
+        first = worker_pb2.FirstToken(
+            token_id=event.token_id,
+            num_cached_tokens=event.num_cached_tokens,
+            sender_incarnation_id=event.sender_incarnation,
+        )
+        if event.logprob is not None:
+            first.logprob.CopyFrom(token_logprob_to_proto(event.logprob))
+        return worker_pb2.PrefillServerMessage(first_token=first)
+    assert isinstance(event, TransferDone)
+    return worker_pb2.PrefillServerMessage(
+        transfer_complete=worker_pb2.TransferComplete(
+            request_id=request_id,
+            checksum=event.checksum,
+            epoch=event.epoch,
+            num_bytes=event.num_bytes,
+        )
+    )
+
+
+def prefill_event_from_proto(msg: worker_pb2.PrefillServerMessage) -> PrefillEvent:
+    """A prefill worker's message; ValueError for one that breaks the protocol."""
+    which = msg.WhichOneof("message")
+    if which == "progress":
+        phase = _PHASE_FROM_PROTO.get(msg.progress.phase)
+        if phase is None:
+            raise ValueError(f"progress.phase {msg.progress.phase!r} is not a known phase")
+        return Progress(phase, msg.progress.num_computed_tokens)
+    if which == "first_token":
+        first = msg.first_token
+        logprob = token_logprob_from_proto(first.logprob) if first.HasField("logprob") else None
+        return FirstToken(
+            token_id=first.token_id,
+            logprob=logprob,
+            num_cached_tokens=first.num_cached_tokens,
+            sender_incarnation=first.sender_incarnation_id,
+        )
+    if which == "transfer_complete":
+        done = msg.transfer_complete
+        return TransferDone(done.checksum, done.epoch, done.num_bytes)
+    raise ValueError(
+        "a Prefill stream message must set one of progress, first_token, transfer_complete"
+    )
+
+
+def ack_to_proto(request_id: str, ack: Ack) -> worker_pb2.PrefillClientMessage:
+    return worker_pb2.PrefillClientMessage(
+        ack=worker_pb2.TransferAck(request_id=request_id, ok=ack.ok, reason=ack.reason)
+    )
+
+
+def ack_from_proto(msg: worker_pb2.PrefillClientMessage | None) -> Ack | None:
+    """The decode worker's verdict, or None when it ended the stream without one."""
+    if msg is None or msg.WhichOneof("message") != "ack":
+        return None
+    return Ack(msg.ack.ok, msg.ack.reason)

@@ -1,0 +1,242 @@
+"""The decode side of the KV hand-off, driven without gRPC.
+
+A real ``AsyncEngine`` (tiny model) whose KV pool is a real shm ``KVInbox``, and a
+scripted ``PrefillLink`` that plays the prefill worker; where the data matters, a real
+``ShmSender`` writes the blocks, so the checksum the handoff verifies is the real one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+import torch
+
+from decode_service.handoff import DecodeHandoff, HandoffLimits
+from decode_service.kv_inbox import KVInbox
+from engine.async_engine import AsyncEngine
+from engine.errors import AbortedError, DeadlineExceededError
+from engine.request import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.transfer.base import SendJob, TransferConfig
+from engine.transfer.factory import make_sender
+from engine.transfer.handoff import (
+    Ack,
+    FirstToken,
+    Phase,
+    PrefillEvent,
+    PrefillOrder,
+    Progress,
+    TransferDone,
+)
+from tests.engine_helpers import make_core
+
+STALL_S = 0.4
+PARAMS = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+PROMPT = list(range(500, 540))  # 3 blocks of 16
+# Fast drain for the quarantine test: a stalled writer's blocks are reported after this.
+RECEIVER = TransferConfig(stall_timeout_s=0.5)
+
+
+class ScriptedLink:
+    """Plays a prefill worker: ``on_order`` runs when the order arrives."""
+
+    def __init__(self, on_order: Callable[[ScriptedLink, PrefillOrder], None]) -> None:
+        self.events: asyncio.Queue[PrefillEvent | None] = asyncio.Queue()
+        self.sent: list[PrefillOrder | Ack] = []
+        self.cancelled = False
+        self._on_order = on_order
+
+    async def send(self, message: PrefillOrder | Ack) -> None:
+        self.sent.append(message)
+        if isinstance(message, PrefillOrder):
+            self._on_order(self, message)
+
+    async def receive(self) -> PrefillEvent | None:
+        return await self.events.get()
+
+    async def done_writing(self) -> None:
+        pass
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class Rig:
+    def __init__(self, engine: AsyncEngine, inbox: KVInbox) -> None:
+        self.engine = engine
+        self.inbox = inbox
+        self.links: list[ScriptedLink] = []
+        self.opened: list[tuple[str, float | None]] = []
+        self.script: Callable[[ScriptedLink, PrefillOrder], None] = lambda link, order: None
+        layout = engine.core.layout
+        gen = torch.Generator().manual_seed(0)
+        self.source = torch.randn(layout.pool_shape(16), generator=gen).to(
+            engine.core.runner.kv_cache.dtype
+        )
+        # One layer per group, so a sender can be frozen between groups.
+        self.sender = make_sender("shm", self.source, layout, TransferConfig(group_bytes=1))
+
+    def handoff(self, stall_s: float = STALL_S) -> DecodeHandoff:
+        def open_link(address: str, remaining: float | None) -> ScriptedLink:
+            self.opened.append((address, remaining))
+            link = ScriptedLink(self.script)
+            self.links.append(link)
+            return link
+
+        return DecodeHandoff(self.engine, self.inbox, HandoffLimits(stall_s, 1.0), open_link)
+
+    def transfer(self, link: ScriptedLink, order: PrefillOrder, *, sender: str = "s1") -> None:
+        """Really write the blocks, then report FirstToken and TransferDone."""
+        link.events.put_nowait(FirstToken(7, None, 0, sender))
+        src = tuple(range(len(order.descriptor.block_ids)))
+        self.sender.submit(SendJob(order.request_id, src, order.descriptor, time.monotonic() + 30))
+
+        async def report() -> None:
+            while not (done := self.sender.poll()):
+                await asyncio.sleep(0.005)
+            (completion,) = done
+            if completion.ok:
+                link.events.put_nowait(
+                    TransferDone(completion.checksum or 0, completion.epoch, completion.num_bytes)
+                )
+
+        asyncio.get_running_loop().create_task(report())
+
+    def all_free(self) -> bool:
+        st = self.engine.stats()
+        return st.num_free_blocks == st.num_total_blocks and st.num_waiting_for_kv == 0
+
+    async def settle(self, timeout: float = 10.0) -> None:
+        end = time.monotonic() + timeout
+        while not self.all_free():
+            assert time.monotonic() < end, f"blocks not back: {self.engine.stats()}"
+            await asyncio.sleep(0.01)
+
+
+@pytest_asyncio.fixture
+async def rig(tiny_llama: Path) -> AsyncIterator[Rig]:
+    inbox = KVInbox("shm", "", RECEIVER)
+    inbox.bind(asyncio.get_running_loop())
+    core = await asyncio.to_thread(
+        make_core, tiny_llama, num_blocks=32, kv_pool_factory=inbox.allocate_pool
+    )
+    engine = AsyncEngine(core)
+    await engine.start()
+    r = Rig(engine, inbox)
+    try:
+        yield r
+    finally:
+        r.sender.close()
+        await engine.shutdown()
+        inbox.close()
+
+
+async def _collect(outputs: AsyncIterator[RequestOutput]) -> list[int]:
+    tokens: list[int] = []
+    async for out in outputs:
+        tokens.extend(out.new_token_ids)
+    return tokens
+
+
+async def test_a_correct_hand_off_decodes_and_acks(rig: Rig) -> None:
+    rig.script = rig.transfer
+    tokens = await _collect(rig.handoff().run("r1", PROMPT, PARAMS, "p:1", None))
+    assert len(tokens) == PARAMS.max_tokens and tokens[0] == 7
+    (link,) = rig.links
+    assert isinstance(link.sent[0], PrefillOrder) and link.sent[1] == Ack(True, "")
+    await rig.settle()
+
+
+async def test_progress_beats_outlive_the_stall_bound(rig: Rig) -> None:
+    def slow(link: ScriptedLink, order: PrefillOrder) -> None:
+        async def beats() -> None:
+            for i in range(8):  # 1.2 s of beats: three stall bounds
+                await asyncio.sleep(STALL_S * 0.4)
+                link.events.put_nowait(Progress(Phase.PREFILLING, 4 * i))
+            rig.transfer(link, order)
+
+        asyncio.get_running_loop().create_task(beats())
+
+    rig.script = slow
+    began = time.monotonic()
+    tokens = await _collect(rig.handoff().run("r2", PROMPT, PARAMS, "p:1", None))
+    assert len(tokens) == PARAMS.max_tokens
+    assert time.monotonic() - began > 2.5 * STALL_S
+    await rig.settle()
+
+
+async def test_a_silent_prefill_is_aborted_at_the_stall_bound(rig: Rig) -> None:
+    began = time.monotonic()
+    with pytest.raises(AbortedError, match="no progress"):
+        await _collect(rig.handoff().run("r3", PROMPT, PARAMS, "p:1", None))
+    assert STALL_S * 0.9 < time.monotonic() - began < STALL_S + 1.0
+    assert rig.links[0].cancelled
+    await rig.settle()
+
+
+async def test_the_clients_deadline_is_deadline_exceeded(rig: Rig) -> None:
+    handoff = rig.handoff(stall_s=5.0)
+    with pytest.raises(DeadlineExceededError, match="client's deadline"):
+        await _collect(handoff.run("r4", PROMPT, PARAMS, "p:1", time.monotonic() + 0.3))
+    await rig.settle()
+
+
+async def test_time_left_is_taken_when_prefill_is_called(rig: Rig) -> None:
+    """The deadline passed to prefill counts the wait for KV blocks."""
+    real_reserve = rig.engine.reserve
+
+    async def slow_reserve(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        await asyncio.sleep(0.5)
+        return await real_reserve(*args, **kwargs)
+
+    rig.engine.reserve = slow_reserve  # type: ignore[method-assign]
+    rig.script = rig.transfer
+    deadline = time.monotonic() + 10.0
+    await _collect(rig.handoff().run("r5", PROMPT, PARAMS, "p:1", deadline))
+    (_, remaining) = rig.opened[0]
+    assert remaining is not None and remaining <= 10.0 - 0.5
+    await rig.settle()
+
+
+async def test_a_restarted_prefill_sender_is_forgotten(rig: Rig) -> None:
+    forgotten: list[str] = []
+    rig.inbox.forget_sender = forgotten.append  # type: ignore[method-assign]
+    handoff = rig.handoff()
+    for rid, sender in (("a1", "old"), ("a2", "old"), ("a3", "new")):
+        rig.script = lambda link, order, sender=sender: rig.transfer(link, order, sender=sender)
+        await _collect(handoff.run(rid, PROMPT, PARAMS, "p:1", None))
+    assert forgotten == ["old"]
+    await rig.settle()
+
+
+async def test_a_frozen_writer_keeps_its_blocks_quarantined(rig: Rig) -> None:
+    """The request ends at once with a typed status, but its blocks go back to the engine
+    only once the frozen sender has let go: never while its claim stands."""
+    frozen, go = threading.Event(), threading.Event()
+
+    def freeze(request_id: str, group: int) -> None:
+        if group == 1:
+            frozen.set()
+            go.wait(30)
+
+    rig.sender._on_group = freeze  # type: ignore[attr-defined]
+    rig.script = rig.transfer
+    try:
+        with pytest.raises(AbortedError):
+            await _collect(rig.handoff().run("r6", PROMPT, PARAMS, "p:1", None))
+        assert frozen.is_set()
+        await asyncio.sleep(RECEIVER.drain_s + 0.3)
+        assert rig.inbox.num_quarantined == 1
+        stats = rig.engine.stats()
+        assert stats.num_free_blocks == stats.num_total_blocks - 3, stats  # still held
+        go.set()
+        await rig.settle()
+        assert rig.inbox.num_quarantined == 0
+    finally:
+        go.set()

@@ -1,0 +1,160 @@
+"""The prefill side of the KV hand-off, driven without gRPC: a real ``AsyncEngine`` (tiny
+model), a real shm ``KVOutbox`` and a real shm receiver standing in for decode."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from engine.async_engine import AsyncEngine
+from engine.errors import AbortedError, LayoutMismatchError
+from engine.sampling_params import SamplingParams
+from engine.transfer.factory import make_receiver
+from engine.transfer.handoff import Ack, FirstToken, Phase, PrefillOrder, Progress, TransferDone
+from prefill_service.handoff import PrefillHandoff, PrefillLimits
+from prefill_service.kv_outbox import KVOutbox
+from tests.engine_helpers import make_core
+
+PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+PROMPT = tuple(range(700, 780))  # 80 tokens: 5 blocks, 5 steps of 16 tokens
+STEP_S = 0.05  # each engine step made this slow, so beats are seen
+
+
+class Rig:
+    def __init__(self, engine: AsyncEngine, outbox: KVOutbox, receiver) -> None:  # noqa: ANN001
+        self.engine = engine
+        self.outbox = outbox
+        self.receiver = receiver
+
+    def handoff(self, **limits: float) -> PrefillHandoff:
+        values = {"stall_s": 2.0, "beat_s": STEP_S / 2, **limits}
+        return PrefillHandoff(
+            self.engine, self.outbox, self.engine.core.layout, PrefillLimits(**values)
+        )
+
+    def order(self, rid: str, prompt: tuple[int, ...] = PROMPT, blocks: int = 5) -> PrefillOrder:
+        desc = self.receiver.expect(rid, tuple(range(1, blocks + 1)), 9, time.monotonic() + 30)
+        return PrefillOrder(rid, prompt, PARAMS, desc)
+
+    async def settle(self) -> None:
+        end = time.monotonic() + 10
+        while True:
+            st = self.engine.stats()
+            if st.num_free_blocks == st.num_total_blocks and st.num_held_blocks == 0:
+                return
+            assert time.monotonic() < end, f"prefill blocks not back: {st}"
+            await asyncio.sleep(0.01)
+
+
+@pytest_asyncio.fixture
+async def rig(tiny_llama: Path) -> AsyncIterator[Rig]:
+    core = await asyncio.to_thread(make_core, tiny_llama, num_blocks=32, max_num_batched_tokens=16)
+    real = core.runner.execute
+
+    def slow(sched):  # noqa: ANN001, ANN202
+        time.sleep(STEP_S)
+        return real(sched)
+
+    core.runner.execute = slow  # type: ignore[method-assign]
+    engine = AsyncEngine(core)
+    await engine.start()
+    loop = asyncio.get_running_loop()
+    outbox = KVOutbox("shm", core.runner.kv_cache, core.layout, loop)
+    receiver = make_receiver("shm", core.layout, 16)
+    try:
+        yield Rig(engine, outbox, receiver)
+    finally:
+        await asyncio.to_thread(outbox.close)
+        await engine.shutdown()
+        receiver.close()
+
+
+async def _acks(*items: Ack | None) -> AsyncIterator[Ack | None]:
+    for item in items:
+        yield item
+
+
+async def test_a_long_prefill_beats_then_hands_off(rig: Rig) -> None:
+    events = [e async for e in rig.handoff().run(rig.order("p1"), _acks(Ack(True)), None)]
+    beats = [e for e in events if isinstance(e, Progress)]
+    kinds = [type(e).__name__ for e in events if not isinstance(e, Progress)]
+    assert kinds == ["FirstToken", "TransferDone"]
+    assert {b.phase for b in beats} >= {Phase.PREFILLING}
+    computed = [b.num_computed_tokens for b in beats if b.phase is Phase.PREFILLING]
+    assert computed == sorted(computed) and 0 < computed[-1] <= len(PROMPT)
+    first = next(e for e in events if isinstance(e, FirstToken))
+    assert first.sender_incarnation == rig.outbox.sender.incarnation
+    done = next(e for e in events if isinstance(e, TransferDone))
+    rig.receiver.verify("p1", done.checksum, done.epoch)
+    await rig.settle()
+
+
+async def test_no_beat_when_nothing_moves(rig: Rig) -> None:
+    """A beat says the worker made progress: an engine stuck in one forward sends none."""
+    stuck, go = threading.Event(), threading.Event()
+    real = rig.engine.core.runner.execute
+
+    def hang(sched):  # noqa: ANN001, ANN202
+        stuck.set()
+        go.wait(30)
+        return real(sched)
+
+    rig.engine.core.runner.execute = hang  # type: ignore[method-assign]
+    events = rig.handoff().run(rig.order("p2"), _acks(Ack(True)), None)
+    seen: list[object] = []
+
+    async def consume() -> None:
+        async for e in events:
+            seen.append(e)
+
+    task = asyncio.create_task(consume())
+    try:
+        assert await asyncio.to_thread(stuck.wait, 10)
+        await asyncio.sleep(10 * STEP_S)  # twenty beat periods
+        assert [e for e in seen if isinstance(e, Progress)] == []
+    finally:
+        rig.engine.core.runner.execute = real  # type: ignore[method-assign]
+        go.set()
+        await asyncio.wait_for(task, 20)
+    await rig.settle()
+
+
+async def test_decode_that_never_acks_frees_the_source_blocks(rig: Rig) -> None:
+    with pytest.raises(AbortedError, match="without an ack"):
+        async for _ in rig.handoff().run(rig.order("p3"), _acks(), None):
+            pass
+    await rig.settle()
+
+
+async def test_a_refused_transfer_still_frees_the_source_blocks(rig: Rig) -> None:
+    async for _ in rig.handoff().run(rig.order("p4"), _acks(Ack(False, "checksum")), None):
+        pass
+    await rig.settle()
+
+
+async def test_orders_that_do_not_fit_are_refused_before_anything_runs(rig: Rig) -> None:
+    order = rig.order("p5")
+    other = dataclasses.replace(order.descriptor.endpoint.layout, block_size=32)
+    bad = dataclasses.replace(
+        order,
+        descriptor=dataclasses.replace(
+            order.descriptor, endpoint=dataclasses.replace(order.descriptor.endpoint, layout=other)
+        ),
+    )
+    with pytest.raises(LayoutMismatchError, match="block_size"):
+        async for _ in rig.handoff().run(bad, _acks(), None):
+            pass
+    rig.receiver.cancel("p5")
+    await asyncio.sleep(0.1)
+    rig.receiver.poll()
+    with pytest.raises(ValueError, match="needs 5"):
+        async for _ in rig.handoff().run(rig.order("p6", blocks=4), _acks(), None):
+            pass
+    await rig.settle()
