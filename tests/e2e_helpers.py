@@ -24,7 +24,7 @@ import grpc
 import grpc.aio
 import pytest
 
-from gateway.launcher import ClusterSpec, LocalCluster
+from gateway.launcher import ClusterSpec, LocalCluster, wait_serving
 from protos.baton.v1 import common_pb2, generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 T = TypeVar("T")
@@ -54,12 +54,33 @@ class E2ECluster(LocalCluster):
     ) -> None:
         super().__init__(spec)
         self._extra = {"prefill": tuple(prefill_args), "decode": tuple(decode_args)}
+        self._argv: dict[int, tuple[int, list[str]]] = {}
 
     def _spawn(self, kind: str, index: int, argv: list[str], port: int = 0):  # noqa: ANN202
         extra = list(self._extra.get(kind, ()))
-        if kind == "decode" and self.spec.mode == "disaggregated" and self.spec.transport == "shm":
+        if kind == "decode" and self.spec.mode == "disaggregated" and self._uses_shm(argv):
             extra += ["--transport-address", f"baton-e2e-{uuid.uuid4().hex[:16]}"]
-        return super()._spawn(kind, index, [*argv, *extra], port)
+        proc = super()._spawn(kind, index, [*argv, *extra], port)
+        self._argv[id(proc)] = (index, list(argv))
+        return proc
+
+    def _uses_shm(self, argv: list[str]) -> bool:
+        # The last --transport on the command line wins, as argparse has it.
+        flags = [*argv, *self.spec.worker_args]
+        picked = [flags[i + 1] for i, f in enumerate(flags[:-1]) if f == "--transport"]
+        return (picked[-1] if picked else self.spec.transport) == "shm"
+
+    def argv_of(self, proc) -> list[str]:  # noqa: ANN001
+        """The command line ``proc`` was started with (before per-process extras)."""
+        return list(self._argv[id(proc)][1])
+
+    def respawn(self, kind: str, argv: list[str], port: int, timeout_s: float = 120.0):  # noqa: ANN201
+        """Start a worker again on ``port`` (a restarted pod) and wait until it serves."""
+        proc = self._spawn(kind, 0, argv, port)
+        deadline = time.monotonic() + timeout_s
+        self._await_port(proc, deadline)
+        wait_serving(proc.address, deadline - time.monotonic(), proc)
+        return proc
 
     def live_workers(self) -> list[tuple[str, str]]:
         """(kind, address) of every worker process still running."""

@@ -83,3 +83,42 @@ def test_greedy_equals_hf_for_32_concurrent_streams(
         assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
         assert last.usage.prompt_tokens == len(prompt)
         assert last.usage.completion_tokens == len(tokens) == NEW_TOKENS
+
+
+SEEDED = 8
+
+
+@pytest.fixture(scope="module")
+def seeded_reference(smollm2: ModelFiles, prompts: list[list[int]]) -> list[list[int]]:
+    """Seeded sampled continuations from one in-process engine: since seeded sampling is
+    a function of (seed, output position), every deployment must reproduce them."""
+    from engine.sampling_params import SamplingParams
+    from tests.engine_helpers import make_core
+
+    core = make_core(smollm2.path)
+    params = [
+        SamplingParams(
+            max_tokens=NEW_TOKENS, temperature=0.9, top_p=0.95, seed=1000 + i, ignore_eos=True
+        )
+        for i in range(SEEDED)
+    ]
+    return core.generate(prompts[:SEEDED], params)
+
+
+def test_seeded_sampling_is_the_same_in_every_deployment(
+    cluster: LocalCluster, prompts: list[list[int]], seeded_reference: list[list[int]]
+) -> None:
+    async def one(client: BatonClient, i: int) -> list[int]:
+        sampling = common_pb2.SamplingParameters(
+            max_tokens=NEW_TOKENS, temperature=0.9, top_p=0.95, seed=1000 + i, ignore_eos=True
+        )
+        out: list[int] = []
+        async for r in client.generate(token_ids=prompts[i], sampling=sampling, timeout=120):
+            out.extend(r.token_ids)
+        return out
+
+    async def run() -> list[list[int]]:
+        async with BatonClient(cluster.gateway_address) as client:
+            return await asyncio.gather(*[one(client, i) for i in range(SEEDED)])
+
+    assert asyncio.run(run()) == seeded_reference
