@@ -11,9 +11,8 @@ from typing import Any
 import pytest
 
 from engine.model_files import ModelFiles
-from gateway.client import BatonClient
 from gateway.launcher import ClusterSpec, LocalCluster
-from protos.baton.v1 import common_pb2
+from protos.client import AsyncClient, FinishReason, SamplingParams
 from tests.engine_helpers import compare_greedy, hf_greedy, hf_model
 
 pytestmark = pytest.mark.slow
@@ -54,10 +53,10 @@ def cluster(request: pytest.FixtureRequest, smollm2: ModelFiles) -> Iterator[Loc
         yield c
 
 
-async def _tokens(client: BatonClient, prompt: list[int]) -> tuple[list[int], Any]:
+async def _tokens(client: AsyncClient, prompt: list[int]) -> tuple[list[int], Any]:
     out: list[int] = []
     last = None
-    sampling = common_pb2.SamplingParameters(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    sampling = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     async for r in client.generate(token_ids=prompt, sampling=sampling, timeout=120):
         out.extend(r.token_ids)
         last = r
@@ -68,7 +67,7 @@ def test_greedy_equals_hf_for_32_concurrent_streams(
     cluster: LocalCluster, prompts: list[list[int]], reference: list[tuple[list[int], Any]]
 ) -> None:
     async def run() -> list[tuple[list[int], Any]]:
-        async with BatonClient(cluster.gateway_address) as client:
+        async with AsyncClient(cluster.gateway_address) as client:
             return await asyncio.gather(*[_tokens(client, p) for p in prompts])
 
     results = asyncio.run(run())
@@ -80,6 +79,6 @@ def test_greedy_equals_hf_for_32_concurrent_streams(
     assert "mismatch" not in verdicts, verdicts
     assert verdicts.count("tie") <= 2, verdicts
     for (tokens, last), prompt in zip(results, prompts, strict=True):
-        assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert last.finish_reason == FinishReason.LENGTH
         assert last.usage.prompt_tokens == len(prompt)
         assert last.usage.completion_tokens == len(tokens) == NEW_TOKENS
