@@ -38,6 +38,7 @@ class FakeGateway(generate_pb2_grpc.BatonServicer):
     abort: tuple[grpc.StatusCode, str] | None = None  # ends the call after `fail_after` chunks
     fail_after: int = 0
     hang: bool = False  # after the chunks: wait until cancelled instead of finishing
+    refuse_text: str | None = None  # this prompt text gets INVALID_ARGUMENT naming a field
     requests: list[generate_pb2.GenerateRequest] = field(default_factory=list)
     metadata: list[dict[str, str]] = field(default_factory=list)
     time_remaining: list[float | None] = field(default_factory=list)
@@ -56,6 +57,10 @@ class FakeGateway(generate_pb2_grpc.BatonServicer):
         self.metadata.append(dict(context.invocation_metadata()))
         self.time_remaining.append(context.time_remaining())
         self.started.set()
+        if self.refuse_text is not None and request.text == self.refuse_text:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "sampling_params.max_tokens must be >= 1"
+            )
         try:
             for i, text in enumerate(self.texts):
                 if self.abort is not None and i == self.fail_after:
