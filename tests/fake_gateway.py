@@ -61,9 +61,11 @@ class FakeGateway(generate_pb2_grpc.BatonServicer):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "sampling_params.max_tokens must be >= 1"
             )
+        ended = False  # by itself: finished or aborted, not cancelled
         try:
             for i, text in enumerate(self.texts):
                 if self.abort is not None and i == self.fail_after:
+                    ended = True
                     await context.abort(*self.abort)
                 if self.delay_s:
                     await asyncio.sleep(self.delay_s)
@@ -71,9 +73,12 @@ class FakeGateway(generate_pb2_grpc.BatonServicer):
                 yield self._chunk(rid, i, text, last, request)
             if self.hang:
                 await asyncio.Event().wait()
-        except asyncio.CancelledError:
-            self.cancelled.append(rid)
-            raise
+            ended = True
+        finally:
+            # A cancel lands as CancelledError where the handler awaits, or as
+            # GeneratorExit (aclose) where it is suspended at a yield: both count.
+            if not ended:
+                self.cancelled.append(rid)
 
     def _chunk(
         self, rid: str, i: int, text: str, last: bool, request: generate_pb2.GenerateRequest
