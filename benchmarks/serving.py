@@ -148,14 +148,13 @@ class Phase:
 
 async def _request(client: Any, r: W1Request, arrival_s: float, t0: float,
                    timeout_s: float, tag: str) -> Timing:
-    from protos.baton.v1 import common_pb2
+    from protos.client import SamplingParams
 
     delay = t0 + arrival_s - time.perf_counter()
     if delay > 0:
         await asyncio.sleep(delay)
     timing = Timing(r.request_id, len(r.prompt_token_ids), r.output_len, arrival_s)
-    sampling = common_pb2.SamplingParameters(
-        max_tokens=r.output_len, temperature=0, ignore_eos=True)
+    sampling = SamplingParams(max_tokens=r.output_len, temperature=0, ignore_eos=True)
     async for resp in client.generate(token_ids=r.prompt_token_ids, sampling=sampling,
                                       request_id=f"{tag}-{r.request_id}", timeout=timeout_s):
         if resp.token_ids:
@@ -244,8 +243,8 @@ def _online_rate(opts: Options, offline_a: dict[str, Any] | None,
 def run_config(opts: Options, cfg: ServingConfig, requests: list[W1Request],
                online: list[W1Request], state: dict[str, Any]) -> dict[str, Any]:
     """Start one deployment, warm it up, run its phases, stop it."""
-    from gateway.client import BatonClient
     from gateway.launcher import LocalCluster
+    from protos.client import AsyncClient
 
     result: dict[str, Any] = {
         **asdict(cfg), "cpus": {k: sorted(v) for k, v in cfg.cpus.items()}}
@@ -254,7 +253,7 @@ def run_config(opts: Options, cfg: ServingConfig, requests: list[W1Request],
         result["startup_s"] = round(time.monotonic() - started, 1)
 
         async def drive() -> None:
-            async with BatonClient(cluster.gateway_address) as client:
+            async with AsyncClient(cluster.gateway_address) as client:
                 warm = W1Request("warmup", common.warmup_prompt(), common.WARMUP_NEW_TOKENS)
                 await run_phase(client, "warmup", [warm], None, 0, opts.request_timeout_s,
                                 cfg.key)

@@ -5,7 +5,8 @@
     baton generate --address HOST:PORT "prompt"     # talk to a running gateway
 
 ``run`` and ``serve`` start a gateway, a prefill worker and a decode worker as separate
-processes on 127.0.0.1 (``--single-process`` for one worker doing both).
+processes on 127.0.0.1 (``--single-process`` for one worker doing both). ``generate`` and
+the streaming part of ``run`` are the Python client's command line (``protos.client``).
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import sys
 import time
 from collections.abc import Sequence
 
-from gateway import client
 from gateway.launcher import ClusterSpec, LocalCluster
+from protos.client import cli as client_cli
 
 
 def _cluster_args(p: argparse.ArgumentParser) -> None:
@@ -68,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["generate"]:
-        return client.main(argv[1:])
+        return client_cli.main(argv[1:], prog="baton generate")
     args = _parser().parse_args(argv)
     if args.command == "run":
         print(
@@ -87,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ]
             if not args.raw:
                 flags.append("--chat")
-            return client.main([*flags, args.prompt])
+            return client_cli.main([*flags, args.prompt], prog="baton run")
     with LocalCluster(_spec(args, args.gateway_port)) as cluster:
         print(
             f"baton: serving on {cluster.gateway_address} "

@@ -4,7 +4,7 @@ The official asyncio pattern (grpc ``async_greeter_server_with_graceful_shutdown
 plus what a model server needs around it::
 
     start:  server with ErrorInterceptor -> register servicers -> health (NOT_SERVING)
-            -> reflection -> bind -> start -> port file -> await spec.ready()
+            -> reflection (v1 + v1alpha) -> bind -> start -> port file -> await spec.ready()
             -> health SERVING, calls admitted
     stop:   health NOT_SERVING -> new calls refused with UNAVAILABLE -> in-flight calls
             drain for up to spec.grace_s -> server.stop() cancels what is left
@@ -31,11 +31,12 @@ from typing import Any
 import grpc
 import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from engine.errors import UnavailableError
 from rpc.channels import SERVER_OPTIONS
 from rpc.errors import ErrorInterceptor, wrap_handler
+from rpc.reflection import SERVICE_NAMES as REFLECTION_SERVICES
+from rpc.reflection import enable_reflection
 
 logger = logging.getLogger(__name__)
 
@@ -43,11 +44,7 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # Calls to these are always admitted and never counted as in flight: probes must work
 # while the server starts and drains, and a health Watch stream never ends by itself.
-_INFRA_PREFIXES = (
-    f"/{health.SERVICE_NAME}/",
-    f"/{reflection.SERVICE_NAME}/",
-    "/grpc.reflection.v1.ServerReflection/",
-)
+_INFRA_PREFIXES = tuple(f"/{name}/" for name in (health.SERVICE_NAME, *REFLECTION_SERVICES))
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,9 +189,7 @@ class RpcServer:
         for name in ("", *spec.service_names):
             await self.health_servicer.set(name, NOT_SERVING)
         health_pb2_grpc.add_HealthServicer_to_server(self.health_servicer, server)
-        reflection.enable_server_reflection(
-            (*spec.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-        )
+        enable_reflection((*spec.service_names, health.SERVICE_NAME), server)
         address = f"{spec.host}:{spec.port}"
         port = server.add_insecure_port(address)
         if port == 0:

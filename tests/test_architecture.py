@@ -8,6 +8,7 @@ even through another module of ours.
 from __future__ import annotations
 
 import ast
+import sys
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
@@ -128,6 +129,15 @@ def test_rpc_imports_no_torch_or_service() -> None:
 def test_protos_import_only_grpc_and_protobuf() -> None:
     ours = {"engine", "rpc"} | service_packages() | NON_PRODUCTION
     assert violations("protos", ours) == []
+
+
+def test_protos_and_the_client_need_nothing_but_grpc_protobuf_and_the_stdlib() -> None:
+    """protos/ is also the ``baton-client`` distribution (protos/pyproject.toml), which
+    depends on grpcio and protobuf only: no torch, transformers or numpy may creep in."""
+    allowed = set(sys.stdlib_module_names) | {"grpc", "google", "protos"}
+    others = {top(name) for names in import_graph().values() for name in names} - allowed
+    assert violations("protos", others) == []
+    assert any(m.startswith("protos.client.") for m in import_graph())
 
 
 def test_no_service_imports_another_service() -> None:

@@ -18,8 +18,8 @@ import grpc
 import grpc.aio
 import pytest
 
-from gateway.client import BatonClient
 from protos.baton.v1 import common_pb2
+from protos.client import AsyncClient, SamplingParams
 from tests.e2e_helpers import (
     E2ECluster,
     assert_completed,
@@ -126,20 +126,21 @@ async def test_cancel_right_after_the_first_token(cluster: E2ECluster) -> None:
 
 
 async def test_cancel_while_decoding(cluster: E2ECluster) -> None:
-    """Leaving the client's iteration early cancels the call."""
-    params = common_pb2.SamplingParameters(max_tokens=800, temperature=0, ignore_eos=True)
+    """Leaving the client's stream block early cancels the call (the channel stays open)."""
+    params = SamplingParams(max_tokens=800, temperature=0, ignore_eos=True)
     got = 0
-    async with BatonClient(cluster.gateway_address) as client:
-        async for response in client.generate(
+    async with AsyncClient(cluster.gateway_address) as client:
+        async with client.generate(
             token_ids=prompt_ids(20, "decoding"), sampling=params, timeout=60
-        ):
-            got += len(response.token_ids)
-            if got >= 20:
-                stats = await worker_stats(_decode(cluster), "decode")
-                assert stats.num_running == 1, describe(stats)
-                break
-    assert got >= 20
-    await _settle(cluster)
+        ) as stream:
+            async for chunk in stream:
+                got += len(chunk.token_ids)
+                if got >= 20:
+                    stats = await worker_stats(_decode(cluster), "decode")
+                    assert stats.num_running == 1, describe(stats)
+                    break
+        assert got >= 20
+        await _settle(cluster)
 
 
 async def test_stop_string_cancels_decode(cluster: E2ECluster) -> None:

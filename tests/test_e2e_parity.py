@@ -11,9 +11,8 @@ from typing import Any
 import pytest
 
 from engine.model_files import ModelFiles
-from gateway.client import BatonClient
 from gateway.launcher import ClusterSpec, LocalCluster
-from protos.baton.v1 import common_pb2
+from protos.client import AsyncClient, FinishReason, SamplingParams
 from tests.engine_helpers import compare_greedy, hf_greedy, hf_model
 
 pytestmark = pytest.mark.slow
@@ -54,10 +53,10 @@ def cluster(request: pytest.FixtureRequest, smollm2: ModelFiles) -> Iterator[Loc
         yield c
 
 
-async def _tokens(client: BatonClient, prompt: list[int]) -> tuple[list[int], Any]:
+async def _tokens(client: AsyncClient, prompt: list[int]) -> tuple[list[int], Any]:
     out: list[int] = []
     last = None
-    sampling = common_pb2.SamplingParameters(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    sampling = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     async for r in client.generate(token_ids=prompt, sampling=sampling, timeout=120):
         out.extend(r.token_ids)
         last = r
@@ -68,7 +67,7 @@ def test_greedy_equals_hf_for_32_concurrent_streams(
     cluster: LocalCluster, prompts: list[list[int]], reference: list[tuple[list[int], Any]]
 ) -> None:
     async def run() -> list[tuple[list[int], Any]]:
-        async with BatonClient(cluster.gateway_address) as client:
+        async with AsyncClient(cluster.gateway_address) as client:
             return await asyncio.gather(*[_tokens(client, p) for p in prompts])
 
     results = asyncio.run(run())
@@ -80,7 +79,7 @@ def test_greedy_equals_hf_for_32_concurrent_streams(
     assert "mismatch" not in verdicts, verdicts
     assert verdicts.count("tie") <= 2, verdicts
     for (tokens, last), prompt in zip(results, prompts, strict=True):
-        assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert last.finish_reason == FinishReason.LENGTH
         assert last.usage.prompt_tokens == len(prompt)
         assert last.usage.completion_tokens == len(tokens) == NEW_TOKENS
 
@@ -92,12 +91,12 @@ SEEDED = 8
 def seeded_reference(smollm2: ModelFiles, prompts: list[list[int]]) -> list[list[int]]:
     """Seeded sampled continuations from one in-process engine: since seeded sampling is
     a function of (seed, output position), every deployment must reproduce them."""
-    from engine.sampling_params import SamplingParams
+    from engine.sampling_params import SamplingParams as EngineParams
     from tests.engine_helpers import make_core
 
     core = make_core(smollm2.path)
     params = [
-        SamplingParams(
+        EngineParams(
             max_tokens=NEW_TOKENS, temperature=0.9, top_p=0.95, seed=1000 + i, ignore_eos=True
         )
         for i in range(SEEDED)
@@ -108,8 +107,8 @@ def seeded_reference(smollm2: ModelFiles, prompts: list[list[int]]) -> list[list
 def test_seeded_sampling_is_the_same_in_every_deployment(
     cluster: LocalCluster, prompts: list[list[int]], seeded_reference: list[list[int]]
 ) -> None:
-    async def one(client: BatonClient, i: int) -> list[int]:
-        sampling = common_pb2.SamplingParameters(
+    async def one(client: AsyncClient, i: int) -> list[int]:
+        sampling = SamplingParams(
             max_tokens=NEW_TOKENS, temperature=0.9, top_p=0.95, seed=1000 + i, ignore_eos=True
         )
         out: list[int] = []
@@ -118,7 +117,7 @@ def test_seeded_sampling_is_the_same_in_every_deployment(
         return out
 
     async def run() -> list[list[int]]:
-        async with BatonClient(cluster.gateway_address) as client:
+        async with AsyncClient(cluster.gateway_address) as client:
             return await asyncio.gather(*[one(client, i) for i in range(SEEDED)])
 
     assert asyncio.run(run()) == seeded_reference

@@ -1,5 +1,5 @@
 """gateway.config (flags over BATON_GATEWAY_* env), ``python -m gateway`` as a real process,
-and the ``python -m gateway.client`` CLI against it."""
+and the client's CLI (``baton generate``, ``python -m protos.client``) against it."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ import grpc.aio
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.client import BatonClient
-from gateway.client import main as client_main
+from gateway.cli import main as baton_main
 from gateway.config import GatewayConfig
-from protos.baton.v1 import common_pb2
+from protos.client import AsyncClient, SamplingParams
+from protos.client.cli import main as client_main
 from tests.fake_workers import FakeDecodeWorker, Script, eventually, fake_workers
 
 REPO = Path(__file__).resolve().parent.parent
@@ -126,19 +126,19 @@ async def test_python_m_gateway_serves_drains_and_exits(
 
                 await eventually(serving, timeout=120)
 
-            async with BatonClient(address) as client:
+            async with AsyncClient(address) as client:
                 info = await client.model_info()
                 assert info.model_id == "smollm2-135m"
-                sampling = common_pb2.SamplingParameters(max_tokens=3)
-                got = [r async for r in client.generate(text="hi", sampling=sampling)]
-            assert "".join(r.text for r in got) == "hello world."
+                sampling = SamplingParams(max_tokens=3)
+                got = [c async for c in client.generate(text="hi", sampling=sampling)]
+            assert "".join(c.text for c in got) == "hello world."
 
-            # The CLI, as a human would run it (in a thread: it runs its own event loop).
-            rc = await asyncio.to_thread(client_main, ["--address", address, "hi there"])
+            # `baton generate`, as a human would run it (in a thread: the client blocks).
+            rc = await asyncio.to_thread(baton_main, ["generate", "--address", address, "hi"])
             assert rc == 0
             captured = capsys.readouterr()
             assert captured.out == "hello world."
-            assert "FINISH_REASON_STOP" in captured.err and "completion 3" in captured.err
+            assert "[stop;" in captured.err and "completion 3" in captured.err
 
             process.send_signal(signal.SIGTERM)
             assert await asyncio.wait_for(process.wait(), 30) == 0

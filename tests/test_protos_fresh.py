@@ -46,6 +46,32 @@ def test_generated_modules_import(module: str) -> None:
     importlib.import_module(f"protos.baton.v1.{module}_pb2_grpc")
 
 
+@pytest.mark.parametrize("module", ["common", "generate", "kv", "worker"])
+def test_generated_modules_use_the_proto_root_and_the_repository_import_path(module: str) -> None:
+    """Descriptors name files from the proto root (``baton/v1/x.proto``, as other
+    languages' generators and reflection clients see them), while the Python modules
+    import each other, and report their classes, under ``protos.baton.v1``."""
+    pb2 = importlib.import_module(f"protos.baton.v1.{module}_pb2")
+    assert pb2.DESCRIPTOR.name == f"baton/v1/{module}.proto"
+    assert all(dep.name.startswith("baton/v1/") for dep in pb2.DESCRIPTOR.dependencies)
+    for message in pb2.DESCRIPTOR.message_types_by_name:
+        assert getattr(pb2, message).__module__ == f"protos.baton.v1.{module}_pb2"
+    for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py"):
+        source = (generate.REPO_ROOT / generate.PROTO_DIR / f"{module}{suffix}").read_text()
+        assert not re.search(r"^(from|import) baton\b", source, re.MULTILINE), suffix
+
+
+def test_rewrite_points_protoc_imports_at_protos() -> None:
+    source = (
+        "from baton.v1 import common_pb2 as baton_dot_v1_dot_common__pb2\n"
+        "_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'baton.v1.kv_pb2', _globals)\n"
+    )
+    assert generate.rewrite_imports(source) == (
+        "from protos.baton.v1 import common_pb2 as baton_dot_v1_dot_common__pb2\n"
+        "_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.baton.v1.kv_pb2', _globals)\n"
+    )
+
+
 def _screaming(name: str) -> str:
     return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", name).upper()
 

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos.baton.v1 import generate_pb2 as protos_dot_baton_dot_v1_dot_generate__pb2
+from protos.baton.v1 import generate_pb2 as baton_dot_v1_dot_generate__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -37,13 +37,13 @@ class BatonStub:
         """
         self.Generate = channel.unary_stream(
                 '/baton.v1.Baton/Generate',
-                request_serializer=protos_dot_baton_dot_v1_dot_generate__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=protos_dot_baton_dot_v1_dot_generate__pb2.GenerateResponse.FromString,
+                request_serializer=baton_dot_v1_dot_generate__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_generate__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.ModelInfo = channel.unary_unary(
                 '/baton.v1.Baton/ModelInfo',
-                request_serializer=protos_dot_baton_dot_v1_dot_generate__pb2.ModelInfoRequest.SerializeToString,
-                response_deserializer=protos_dot_baton_dot_v1_dot_generate__pb2.ModelInfoResponse.FromString,
+                request_serializer=baton_dot_v1_dot_generate__pb2.ModelInfoRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_generate__pb2.ModelInfoResponse.FromString,
                 _registered_method=True)
 
 
@@ -72,13 +72,13 @@ def add_BatonServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=protos_dot_baton_dot_v1_dot_generate__pb2.GenerateRequest.FromString,
-                    response_serializer=protos_dot_baton_dot_v1_dot_generate__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=baton_dot_v1_dot_generate__pb2.GenerateRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_generate__pb2.GenerateResponse.SerializeToString,
             ),
             'ModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.ModelInfo,
-                    request_deserializer=protos_dot_baton_dot_v1_dot_generate__pb2.ModelInfoRequest.FromString,
-                    response_serializer=protos_dot_baton_dot_v1_dot_generate__pb2.ModelInfoResponse.SerializeToString,
+                    request_deserializer=baton_dot_v1_dot_generate__pb2.ModelInfoRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_generate__pb2.ModelInfoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -107,8 +107,8 @@ class Baton:
             request,
             target,
             '/baton.v1.Baton/Generate',
-            protos_dot_baton_dot_v1_dot_generate__pb2.GenerateRequest.SerializeToString,
-            protos_dot_baton_dot_v1_dot_generate__pb2.GenerateResponse.FromString,
+            baton_dot_v1_dot_generate__pb2.GenerateRequest.SerializeToString,
+            baton_dot_v1_dot_generate__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -134,8 +134,8 @@ class Baton:
             request,
             target,
             '/baton.v1.Baton/ModelInfo',
-            protos_dot_baton_dot_v1_dot_generate__pb2.ModelInfoRequest.SerializeToString,
-            protos_dot_baton_dot_v1_dot_generate__pb2.ModelInfoResponse.FromString,
+            baton_dot_v1_dot_generate__pb2.ModelInfoRequest.SerializeToString,
+            baton_dot_v1_dot_generate__pb2.ModelInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,

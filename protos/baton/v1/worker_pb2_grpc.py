@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos.baton.v1 import worker_pb2 as protos_dot_baton_dot_v1_dot_worker__pb2
+from protos.baton.v1 import worker_pb2 as baton_dot_v1_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -37,13 +37,13 @@ class PrefillWorkerStub:
         """
         self.Prefill = channel.stream_stream(
                 '/baton.v1.PrefillWorker/Prefill',
-                request_serializer=protos_dot_baton_dot_v1_dot_worker__pb2.PrefillClientMessage.SerializeToString,
-                response_deserializer=protos_dot_baton_dot_v1_dot_worker__pb2.PrefillServerMessage.FromString,
+                request_serializer=baton_dot_v1_dot_worker__pb2.PrefillClientMessage.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_worker__pb2.PrefillServerMessage.FromString,
                 _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/baton.v1.PrefillWorker/Stats',
-                request_serializer=protos_dot_baton_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
-                response_deserializer=protos_dot_baton_dot_v1_dot_worker__pb2.WorkerStats.FromString,
+                request_serializer=baton_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_worker__pb2.WorkerStats.FromString,
                 _registered_method=True)
 
 
@@ -73,13 +73,13 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Prefill': grpc.stream_stream_rpc_method_handler(
                     servicer.Prefill,
-                    request_deserializer=protos_dot_baton_dot_v1_dot_worker__pb2.PrefillClientMessage.FromString,
-                    response_serializer=protos_dot_baton_dot_v1_dot_worker__pb2.PrefillServerMessage.SerializeToString,
+                    request_deserializer=baton_dot_v1_dot_worker__pb2.PrefillClientMessage.FromString,
+                    response_serializer=baton_dot_v1_dot_worker__pb2.PrefillServerMessage.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
-                    request_deserializer=protos_dot_baton_dot_v1_dot_worker__pb2.StatsRequest.FromString,
-                    response_serializer=protos_dot_baton_dot_v1_dot_worker__pb2.WorkerStats.SerializeToString,
+                    request_deserializer=baton_dot_v1_dot_worker__pb2.StatsRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_worker__pb2.WorkerStats.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -108,8 +108,8 @@ class PrefillWorker:
             request_iterator,
             target,
             '/baton.v1.PrefillWorker/Prefill',
-            protos_dot_baton_dot_v1_dot_worker__pb2.PrefillClientMessage.SerializeToString,
-            protos_dot_baton_dot_v1_dot_worker__pb2.PrefillServerMessage.FromString,
+            baton_dot_v1_dot_worker__pb2.PrefillClientMessage.SerializeToString,
+            baton_dot_v1_dot_worker__pb2.PrefillServerMessage.FromString,
             options,
             channel_credentials,
             insecure,
@@ -135,8 +135,8 @@ class PrefillWorker:
             request,
             target,
             '/baton.v1.PrefillWorker/Stats',
-            protos_dot_baton_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
-            protos_dot_baton_dot_v1_dot_worker__pb2.WorkerStats.FromString,
+            baton_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
+            baton_dot_v1_dot_worker__pb2.WorkerStats.FromString,
             options,
             channel_credentials,
             insecure,
@@ -160,13 +160,13 @@ class DecodeWorkerStub:
         """
         self.Decode = channel.unary_stream(
                 '/baton.v1.DecodeWorker/Decode',
-                request_serializer=protos_dot_baton_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
-                response_deserializer=protos_dot_baton_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
+                request_serializer=baton_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
                 _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/baton.v1.DecodeWorker/Stats',
-                request_serializer=protos_dot_baton_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
-                response_deserializer=protos_dot_baton_dot_v1_dot_worker__pb2.WorkerStats.FromString,
+                request_serializer=baton_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_worker__pb2.WorkerStats.FromString,
                 _registered_method=True)
 
 
@@ -194,13 +194,13 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Decode': grpc.unary_stream_rpc_method_handler(
                     servicer.Decode,
-                    request_deserializer=protos_dot_baton_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
-                    response_serializer=protos_dot_baton_dot_v1_dot_worker__pb2.DecodeResponse.SerializeToString,
+                    request_deserializer=baton_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_worker__pb2.DecodeResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
-                    request_deserializer=protos_dot_baton_dot_v1_dot_worker__pb2.StatsRequest.FromString,
-                    response_serializer=protos_dot_baton_dot_v1_dot_worker__pb2.WorkerStats.SerializeToString,
+                    request_deserializer=baton_dot_v1_dot_worker__pb2.StatsRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_worker__pb2.WorkerStats.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -229,8 +229,8 @@ class DecodeWorker:
             request,
             target,
             '/baton.v1.DecodeWorker/Decode',
-            protos_dot_baton_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
-            protos_dot_baton_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
+            baton_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
+            baton_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -256,8 +256,8 @@ class DecodeWorker:
             request,
             target,
             '/baton.v1.DecodeWorker/Stats',
-            protos_dot_baton_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
-            protos_dot_baton_dot_v1_dot_worker__pb2.WorkerStats.FromString,
+            baton_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
+            baton_dot_v1_dot_worker__pb2.WorkerStats.FromString,
             options,
             channel_credentials,
             insecure,
