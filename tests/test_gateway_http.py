@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import http.client
 import json
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,25 +21,15 @@ import openai
 import pytest
 
 from engine import errors
-from engine.model_files import ModelFiles
 from gateway.app import Gateway
 from gateway.config import GatewayConfig
-from gateway.served_model import ServedModel, locate_model, read_model_card
-from gateway.tokenizer import Tokenizer
+from gateway.served_model import ServedModel
 from protos.baton.v1 import common_pb2
 from rpc.server import RpcServer
 from tests.fake_workers import FakeDecodeWorker, FakeServer, Script, eventually, fake_workers
 
 TIMEOUT = 10.0
 MODEL = "smollm2-135m"
-
-
-@pytest.fixture(scope="module")
-def model(smollm2: ModelFiles) -> Iterator[ServedModel]:
-    source = locate_model(MODEL)
-    tokenizer = Tokenizer.load(source.directory)
-    yield ServedModel.from_loaded(source, tokenizer, read_model_card(source, tokenizer))
-    tokenizer.close()
 
 
 @dataclass(slots=True)
@@ -121,11 +111,11 @@ async def post(port: int, path: str, body: object, **headers: str) -> tuple[int,
 # --- responses -------------------------------------------------------------------------
 
 
-async def test_completion_text_usage_and_request_id(model: ServedModel) -> None:
-    output = ids_of(model, " Bonjour, 世界! 🎉 done")
+async def test_completion_text_usage_and_request_id(served_smollm2: ServedModel) -> None:
+    output = ids_of(served_smollm2, " Bonjour, 世界! 🎉 done")
     decode = FakeDecodeWorker()
     decode.script = Script(token_ids=output, chunk=2, cached_tokens=3)
-    async with fake_workers([decode]) as (d, _), running_http(model, d) as gw:
+    async with fake_workers([decode]) as (d, _), running_http(served_smollm2, d) as gw:
         raw = await gw.client.completions.with_raw_response.create(
             model=MODEL, prompt="Say hi", max_tokens=20, extra_headers={"X-Request-Id": "r-1"}
         )
@@ -133,9 +123,9 @@ async def test_completion_text_usage_and_request_id(model: ServedModel) -> None:
     assert raw.headers["x-request-id"] == "r-1"
     assert got.id == "cmpl-r-1" and got.object == "text_completion" and got.model == MODEL
     (choice,) = got.choices
-    assert choice.text == model.tokenizer.decode(output, skip_special_tokens=True)
+    assert choice.text == served_smollm2.tokenizer.decode(output, skip_special_tokens=True)
     assert choice.finish_reason == "stop" and choice.logprobs is None
-    prompt = await model.tokenizer.encode("Say hi")
+    prompt = await served_smollm2.tokenizer.encode("Say hi")
     assert got.usage.prompt_tokens == len(prompt)
     assert got.usage.completion_tokens == len(output)
     assert got.usage.total_tokens == len(prompt) + len(output)
@@ -144,11 +134,11 @@ async def test_completion_text_usage_and_request_id(model: ServedModel) -> None:
     assert list(sent.prompt_token_ids) == prompt and sent.request_id == "r-1"
 
 
-async def test_chat_stream_chunks_and_usage(model: ServedModel) -> None:
-    output = ids_of(model, "Four, of course.")
+async def test_chat_stream_chunks_and_usage(served_smollm2: ServedModel) -> None:
+    output = ids_of(served_smollm2, "Four, of course.")
     decode = FakeDecodeWorker()
     decode.script = Script(token_ids=output, chunk=1, finish_reason=common_pb2.FINISH_REASON_LENGTH)
-    async with fake_workers([decode]) as (d, _), running_http(model, d) as gw:
+    async with fake_workers([decode]) as (d, _), running_http(served_smollm2, d) as gw:
         stream = await gw.client.chat.completions.create(
             model=MODEL,
             messages=[{"role": "user", "content": "What is 2+2?"}],
@@ -156,7 +146,9 @@ async def test_chat_stream_chunks_and_usage(model: ServedModel) -> None:
             stream_options={"include_usage": True},
         )
         chunks = [c async for c in stream]
-    prompt = model.tokenizer.decode(decode.requests[0].prompt_token_ids, skip_special_tokens=False)
+    prompt = served_smollm2.tokenizer.decode(
+        decode.requests[0].prompt_token_ids, skip_special_tokens=False
+    )
     assert prompt.endswith("<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n")
     assert chunks[0].choices[0].delta.role == "assistant"
     assert all(c.object == "chat.completion.chunk" for c in chunks)
@@ -172,9 +164,9 @@ async def test_chat_stream_chunks_and_usage(model: ServedModel) -> None:
     assert len(body) == len(output)
 
 
-async def test_sampling_parameters_reach_decode(model: ServedModel) -> None:
+async def test_sampling_parameters_reach_decode(served_smollm2: ServedModel) -> None:
     decode = FakeDecodeWorker()
-    async with fake_workers([decode]) as (d, _), running_http(model, d) as gw:
+    async with fake_workers([decode]) as (d, _), running_http(served_smollm2, d) as gw:
         await gw.client.completions.create(
             model=MODEL,
             prompt=[1, 2, 3],
@@ -213,17 +205,17 @@ async def test_sampling_parameters_reach_decode(model: ServedModel) -> None:
     assert (first.top_k, first.min_tokens, first.ignore_eos) == (5, 2, True)
     assert list(first.stop_token_ids) == [9]
     assert (second.max_tokens, second.logprobs) == (4, 3)
-    rendered = model.tokenizer.decode(
+    rendered = served_smollm2.tokenizer.decode(
         decode.requests[1].prompt_token_ids, skip_special_tokens=False
     )
     assert "<|im_start|>system\nBe brief.<|im_end|>" in rendered
 
 
-async def test_logprobs_in_each_endpoints_shape(model: ServedModel) -> None:
-    output = ids_of(model, "hello world")
+async def test_logprobs_in_each_endpoints_shape(served_smollm2: ServedModel) -> None:
+    output = ids_of(served_smollm2, "hello world")
     decode = FakeDecodeWorker()
     decode.script = Script(token_ids=output)
-    async with fake_workers([decode]) as (d, _), running_http(model, d) as gw:
+    async with fake_workers([decode]) as (d, _), running_http(served_smollm2, d) as gw:
         completion = await gw.client.completions.create(model=MODEL, prompt="x", logprobs=1)
         chat = await gw.client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "x"}], logprobs=True
@@ -237,7 +229,7 @@ async def test_logprobs_in_each_endpoints_shape(model: ServedModel) -> None:
             if c.choices[0].logprobs
             for lp in c.choices[0].logprobs.content
         ]
-    tokens = [model.tokenizer.decode([t], skip_special_tokens=False) for t in output]
+    tokens = [served_smollm2.tokenizer.decode([t], skip_special_tokens=False) for t in output]
     lps = completion.choices[0].logprobs
     assert lps.tokens == tokens and lps.token_logprobs == [-0.5] * len(output)
     assert lps.text_offset == [0, len(tokens[0])]
@@ -247,10 +239,12 @@ async def test_logprobs_in_each_endpoints_shape(model: ServedModel) -> None:
     assert [c.token for c in streamed] == tokens
 
 
-async def test_stop_string_cuts_the_text_and_cancels_decode(model: ServedModel) -> None:
+async def test_stop_string_cuts_the_text_and_cancels_decode(served_smollm2: ServedModel) -> None:
     decode = FakeDecodeWorker()
-    decode.script = Script(token_ids=ids_of(model, "The answer is 42. END and more"), hang=True)
-    async with fake_workers([decode]) as (d, _), running_http(model, d) as gw:
+    decode.script = Script(
+        token_ids=ids_of(served_smollm2, "The answer is 42. END and more"), hang=True
+    )
+    async with fake_workers([decode]) as (d, _), running_http(served_smollm2, d) as gw:
         got = await gw.client.completions.create(
             model=MODEL, prompt="q", stop="END", extra_headers={"X-Request-Id": "r-stop"}
         )
@@ -259,8 +253,8 @@ async def test_stop_string_cuts_the_text_and_cancels_decode(model: ServedModel) 
     assert got.choices[0].finish_reason == "stop"
 
 
-async def test_models_and_health(model: ServedModel) -> None:
-    async with fake_workers([FakeDecodeWorker()]) as (d, _), running_http(model, d) as gw:
+async def test_models_and_health(served_smollm2: ServedModel) -> None:
+    async with fake_workers([FakeDecodeWorker()]) as (d, _), running_http(served_smollm2, d) as gw:
         models = await gw.client.models.list()
         status, _, body = await asyncio.to_thread(raw_request, gw.port, "GET", "/health")
     assert [m.id for m in models.data] == [MODEL]
@@ -281,11 +275,11 @@ async def test_models_and_health(model: ServedModel) -> None:
     ],
 )
 async def test_worker_failure_before_the_first_token_is_an_http_status(
-    model: ServedModel, error: Exception, status: int, code: str | None
+    served_smollm2: ServedModel, error: Exception, status: int, code: str | None
 ) -> None:
     decode = FakeDecodeWorker()
     decode.script = Script(error=error)
-    async with fake_workers([decode]) as (d, _), running_http(model, d) as gw:
+    async with fake_workers([decode]) as (d, _), running_http(served_smollm2, d) as gw:
         for stream in (False, True):
             with pytest.raises(openai.APIStatusError) as info:
                 await gw.client.completions.create(model=MODEL, prompt="hi", stream=stream)
@@ -295,13 +289,13 @@ async def test_worker_failure_before_the_first_token_is_an_http_status(
 
 
 async def test_failure_after_the_first_token_ends_the_stream_with_an_error_event(
-    model: ServedModel,
+    served_smollm2: ServedModel,
 ) -> None:
     decode = FakeDecodeWorker()
     decode.script = Script(
         token_ids=[10, 11, 12], error=errors.UnavailableError("gone"), fail_after=2
     )
-    async with fake_workers([decode]) as (d, _), running_http(model, d) as gw:
+    async with fake_workers([decode]) as (d, _), running_http(served_smollm2, d) as gw:
         stream = await gw.client.completions.create(model=MODEL, prompt="hi", stream=True)
         got = []
         with pytest.raises(openai.APIError, match="gone"):
@@ -310,10 +304,10 @@ async def test_failure_after_the_first_token_ends_the_stream_with_an_error_event
     assert len(got) == 2
 
 
-async def test_deadline_header_is_a_504_and_travels_to_decode(model: ServedModel) -> None:
+async def test_deadline_header_is_a_504_and_travels_to_decode(served_smollm2: ServedModel) -> None:
     decode = FakeDecodeWorker()
     decode.script = Script(token_ids=[], hang=True)
-    async with fake_workers([decode]) as (d, _), running_http(model, d) as gw:
+    async with fake_workers([decode]) as (d, _), running_http(served_smollm2, d) as gw:
         status, _, body = await post(
             gw.port,
             "/v1/completions",
@@ -323,7 +317,10 @@ async def test_deadline_header_is_a_504_and_travels_to_decode(model: ServedModel
         )
         await eventually(lambda: decode.cancelled == ["r-late"])
         bad, _, bad_body = await post(
-            gw.port, "/v1/completions", {"model": MODEL, "prompt": "hi"}, X_Request_Timeout="soon"
+            gw.port,
+            "/v1/completions",
+            {"model": MODEL, "prompt": "hi"},
+            X_Request_Timeout="soon",
         )
     assert status == 504, body
     assert body["error"]["code"] == "deadline_exceeded"
@@ -331,12 +328,14 @@ async def test_deadline_header_is_a_504_and_travels_to_decode(model: ServedModel
     assert bad == 400 and bad_body["error"]["param"] == "X-Request-Timeout"
 
 
-async def test_default_request_timeout_applies_without_a_header(model: ServedModel) -> None:
+async def test_default_request_timeout_applies_without_a_header(
+    served_smollm2: ServedModel,
+) -> None:
     decode = FakeDecodeWorker()
     decode.script = Script(token_ids=[10], hang=True)
     async with (
         fake_workers([decode]) as (d, _),
-        running_http(model, d, request_timeout_s=0.5) as gw,
+        running_http(served_smollm2, d, request_timeout_s=0.5) as gw,
     ):
         stream = await gw.client.completions.create(model=MODEL, prompt="hi", stream=True)
         with pytest.raises(openai.APIError) as info:
@@ -345,8 +344,8 @@ async def test_default_request_timeout_applies_without_a_header(model: ServedMod
     assert info.value.body["code"] == "deadline_exceeded"
 
 
-async def test_raw_http_errors(model: ServedModel) -> None:
-    async with fake_workers([FakeDecodeWorker()]) as (d, _), running_http(model, d) as gw:
+async def test_raw_http_errors(served_smollm2: ServedModel) -> None:
+    async with fake_workers([FakeDecodeWorker()]) as (d, _), running_http(served_smollm2, d) as gw:
         huge = b'{"prompt": "' + b"a" * (9 * 1024 * 1024) + b'"}'
         too_large, _, body_413 = await post(gw.port, "/v1/completions", huge)
         not_json, _, body_400 = await post(gw.port, "/v1/completions", b"{not json")
@@ -363,10 +362,10 @@ async def test_raw_http_errors(model: ServedModel) -> None:
 # --- cancellation, readiness, drain ------------------------------------------------------
 
 
-async def test_disconnect_mid_stream_cancels_decode(model: ServedModel) -> None:
+async def test_disconnect_mid_stream_cancels_decode(served_smollm2: ServedModel) -> None:
     decode = FakeDecodeWorker()
-    decode.script = Script(token_ids=ids_of(model, "one two three"), hang=True)
-    async with fake_workers([decode]) as (d, _), running_http(model, d) as gw:
+    decode.script = Script(token_ids=ids_of(served_smollm2, "one two three"), hang=True)
+    async with fake_workers([decode]) as (d, _), running_http(served_smollm2, d) as gw:
         stream = await gw.client.completions.create(
             model=MODEL, prompt="hi", stream=True, extra_headers={"X-Request-Id": "r-gone"}
         )
@@ -379,10 +378,12 @@ async def test_disconnect_mid_stream_cancels_decode(model: ServedModel) -> None:
         await eventually(lambda: gw.gateway.http.gate.in_flight == 0)
 
 
-async def test_disconnect_before_the_first_token_cancels_decode(model: ServedModel) -> None:
+async def test_disconnect_before_the_first_token_cancels_decode(
+    served_smollm2: ServedModel,
+) -> None:
     decode = FakeDecodeWorker()
     decode.script = Script(token_ids=[], hang=True)
-    async with fake_workers([decode]) as (d, _), running_http(model, d) as gw:
+    async with fake_workers([decode]) as (d, _), running_http(served_smollm2, d) as gw:
         for stream in (False, True):
             rid = f"r-wait-{stream}"
             reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
@@ -399,10 +400,13 @@ async def test_disconnect_before_the_first_token_cancels_decode(model: ServedMod
             await eventually(lambda rid=rid: rid in decode.cancelled)
 
 
-async def test_not_ready_is_503_until_a_decode_worker_answers(model: ServedModel) -> None:
+async def test_not_ready_is_503_until_a_decode_worker_answers(served_smollm2: ServedModel) -> None:
     decode = FakeDecodeWorker()
     decode.stats_error = errors.UnavailableError("still loading")
-    async with fake_workers([decode]) as (d, _), running_http(model, d, wait_ready=False) as gw:
+    async with (
+        fake_workers([decode]) as (d, _),
+        running_http(served_smollm2, d, wait_ready=False) as gw,
+    ):
         status, _, body = await asyncio.to_thread(raw_request, gw.port, "GET", "/health")
         assert status == 503 and json.loads(body)["status"] == "the gateway is starting"
         with pytest.raises(openai.APIStatusError) as info:
@@ -414,10 +418,10 @@ async def test_not_ready_is_503_until_a_decode_worker_answers(model: ServedModel
     assert got.choices[0].finish_reason == "stop"
 
 
-async def test_stop_refuses_new_requests_and_drains_streams(model: ServedModel) -> None:
+async def test_stop_refuses_new_requests_and_drains_streams(served_smollm2: ServedModel) -> None:
     decode = FakeDecodeWorker()
-    decode.script = Script(token_ids=ids_of(model, "a b c d e f"), delay_s=0.1)
-    async with fake_workers([decode]) as (d, _), running_http(model, d) as gw:
+    decode.script = Script(token_ids=ids_of(served_smollm2, "a b c d e f"), delay_s=0.1)
+    async with fake_workers([decode]) as (d, _), running_http(served_smollm2, d) as gw:
         stream = await gw.client.completions.create(model=MODEL, prompt="hi", stream=True)
         chunks = stream.__aiter__()
         text = (await anext(chunks)).choices[0].text
@@ -425,7 +429,9 @@ async def test_stop_refuses_new_requests_and_drains_streams(model: ServedModel) 
         assert gw.gateway.http is not None
         await eventually(lambda: not gw.gateway.http.gate.open)
         health, _, body = await asyncio.to_thread(raw_request, gw.port, "GET", "/health")
-        refused, _, _ = await post(gw.port, "/v1/completions", {"model": MODEL, "prompt": "x"})
+        refused, _, _ = await post(
+            gw.port, "/v1/completions", {"model": MODEL, "prompt": "x"}
+        )
         text += "".join([c.choices[0].text async for c in chunks])
         await stopping
     assert health == 503 and json.loads(body)["status"] == "the gateway is shutting down"
