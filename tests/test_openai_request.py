@@ -79,7 +79,7 @@ REFUSED: list[tuple[str, Endpoint, dict[str, Any], str]] = [
     ("prompt-missing", COMPLETIONS, {"model": "m"}, "prompt"),
     ("prompt-empty", COMPLETIONS, completion(prompt=""), "prompt"),
     ("prompt-batch", COMPLETIONS, completion(prompt=["a", "b"]), "prompt"),
-    ("prompt-id-outside-vocab", COMPLETIONS, completion(prompt=[1, 1000]), "prompt[1]"),
+    ("prompt-id-outside-vocab", COMPLETIONS, completion(prompt=[1, 10**9]), "prompt[1]"),
     ("messages-empty", CHAT, chat(messages=[]), "messages"),
     ("messages-role", CHAT, chat(messages=[{"role": "tool", "content": "x"}]), "messages[0].role"),
     (
@@ -99,7 +99,7 @@ REFUSED: list[tuple[str, Endpoint, dict[str, Any], str]] = [
         "messages[0].content[0]",
     ),
     ("model-missing", COMPLETIONS, {"prompt": "hi"}, "model"),
-    ("stop-token-outside-vocab", COMPLETIONS, completion(stop_token_ids=[1000]), "stop_token_ids"),
+    ("stop-token-outside-vocab", COMPLETIONS, completion(stop_token_ids=[10**9]), "stop_token_ids"),
 ]
 
 
