@@ -429,11 +429,52 @@ async def test_stop_refuses_new_requests_and_drains_streams(served_smollm2: Serv
         assert gw.gateway.http is not None
         await eventually(lambda: not gw.gateway.http.gate.open)
         health, _, body = await asyncio.to_thread(raw_request, gw.port, "GET", "/health")
-        refused, _, _ = await post(
-            gw.port, "/v1/completions", {"model": MODEL, "prompt": "x"}
-        )
+        refused, _, _ = await post(gw.port, "/v1/completions", {"model": MODEL, "prompt": "x"})
         text += "".join([c.choices[0].text async for c in chunks])
         await stopping
     assert health == 503 and json.loads(body)["status"] == "the gateway is shutting down"
     assert refused == 503
     assert text == "a b c d e f"  # the stream in flight finished inside the grace period
+
+
+# --- configuration -----------------------------------------------------------------------
+
+
+def test_http_flags_and_env_twins() -> None:
+    assert GatewayConfig.from_args(["--decode", "d:1"], {}).http_port is None  # off
+    config = GatewayConfig.from_args(
+        ["--decode", "d:1", "--http-port", "0", "--otlp-endpoint", "http://otel:4317"],
+        {"BATON_GATEWAY_HTTP_REQUEST_TIMEOUT_S": "30", "BATON_GATEWAY_HTTP_PORT_FILE": "/tmp/p"},
+    )
+    assert (config.http_port, config.http_request_timeout_s) == (0, 30.0)
+    assert str(config.http_port_file) == "/tmp/p"
+    assert config.otlp_endpoint == "http://otel:4317"
+    assert (
+        GatewayConfig.from_args(
+            [], {"BATON_GATEWAY_DECODE": "d:1", "BATON_GATEWAY_HTTP_PORT": "8000"}
+        ).http_port
+        == 8000
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--http-port", "65536"], "http_port"),
+        (["--http-port", "http"], "--http-port"),
+        (["--http-port", "9000", "--port", "9000"], "http_port and port"),
+        (["--http-request-timeout-s", "-1"], "http_request_timeout_s"),
+    ],
+)
+def test_bad_http_flags_name_the_setting(argv: list[str], named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        GatewayConfig.from_args(["--decode", "d:1", *argv], {})
+
+
+def test_baton_serve_passes_the_http_port_on() -> None:
+    from gateway.cli import _parser, _spec
+
+    args = _parser().parse_args(["serve", "--http-port", "8000"])
+    assert _spec(args, args.gateway_port, args.http_port).http_port == 8000
+    args = _parser().parse_args(["serve"])
+    assert _spec(args, args.gateway_port, args.http_port).http_port is None
