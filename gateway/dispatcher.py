@@ -94,10 +94,10 @@ class Dispatcher:
                 self._tracer, "gateway.route", job.trace_context, request_id=job.request_id
             ) as route_span:
                 route = self._router.pick(len(job.prompt_token_ids), avoid_prefill=failed_prefill)
-                route_span.set_attributes(
-                    {"baton.attempt": attempt, "baton.decode": route.decode}
-                    | ({"baton.prefill": route.prefill} if route.prefill else {})
-                )
+                route_span.set_attribute("baton.attempt", attempt)
+                route_span.set_attribute("baton.decode", route.decode)
+                if route.prefill:
+                    route_span.set_attribute("baton.prefill", route.prefill)
             remaining = None if deadline is None else deadline - loop.time()
             if remaining is not None and remaining <= 0:
                 raise DeadlineExceededError(

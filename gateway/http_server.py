@@ -30,7 +30,7 @@ from rpc.server import write_port_file
 logger = logging.getLogger(__name__)
 
 # How long uvicorn lets requests still running after the drain finish before cancelling.
-_FINAL_GRACE_S = 0.5
+_FINAL_GRACE_S = 1
 
 
 class HttpGate:

@@ -373,4 +373,8 @@ def _why_off(name: str) -> str:
 
 
 def _kind(value: object) -> str:
-    return {dict: "an object", list: "a list", str: "a string"}.get(type(value), repr(value))
+    if isinstance(value, Mapping):
+        return "an object"
+    if isinstance(value, list):
+        return "a list"
+    return "a string" if isinstance(value, str) else repr(value)

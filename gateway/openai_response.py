@@ -108,12 +108,13 @@ class ResponseBuilder:
     def response(self) -> dict[str, Any]:
         assert self._usage is not None, "response() comes after the finished delta"
         text = "".join(self._text)
-        logprobs = None
+        logprobs: dict[str, Any] | None = None
         if self._req.logprobs:
             empty = {"content": []} if self._chat else self._format_logprobs([])
-            logprobs = {**empty, **self._logprobs}
+            whole: dict[str, Any] = {**empty, **self._logprobs}
             if self._chat:
-                logprobs["refusal"] = None
+                whole["refusal"] = None
+            logprobs = whole
         choice: dict[str, Any] = {"index": 0}
         if self._chat:
             choice["message"] = {"role": "assistant", "content": text}

@@ -25,8 +25,8 @@ from gateway.served_model import ServedModel
 from protos.baton.v1 import generate_pb2, generate_pb2_grpc
 from rpc.tracing import REQUEST_ID
 from tests.fake_workers import FakeDecodeWorker, eventually, fake_workers
+from tests.http_helpers import MODEL, post, running_http
 from tests.otlp_collector import otlp_collector
-from tests.test_gateway_http import MODEL, post, running_http
 
 REPO = Path(__file__).resolve().parent.parent
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
