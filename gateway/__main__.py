@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from gateway.app import Gateway
 from gateway.config import GatewayConfig
 from rpc.server import serve
+from rpc.tracing import build_tracer_provider
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -31,11 +32,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 async def _run(config: GatewayConfig) -> None:
-    gateway = Gateway(config)
+    tracer_provider = build_tracer_provider("baton-gateway", config.otlp_endpoint)
+    gateway = Gateway(config, tracer_provider=tracer_provider)
     try:
         await serve(gateway.spec())
     finally:
         await gateway.aclose()
+        # Flushes the spans not yet exported; blocking, but only for the export timeout.
+        await asyncio.to_thread(tracer_provider.shutdown)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,11 @@
-"""The assembled gateway: model, router, dispatcher and servicer, wired from one config.
+"""The assembled gateway: model, router, dispatcher, the one request path and its front
+ends (the gRPC servicer; the OpenAI-compatible HTTP API when ``http_port`` is set), wired
+from one config.
 
 ``__main__`` runs it under ``rpc.server.serve``; tests run it under an ``RpcServer``. The
-server reports SERVING once the tokenizer is loaded and a decode worker answered Stats.
+server reports SERVING once the tokenizer is loaded and a decode worker answered Stats;
+the HTTP listener binds first thing in ``ready`` and admits requests from then on, and
+drains beside the gRPC server when it stops.
 """
 
 from __future__ import annotations
@@ -10,9 +14,13 @@ import asyncio
 import logging
 
 import grpc.aio
+from opentelemetry import trace
 
 from gateway.config import GatewayConfig
 from gateway.dispatcher import Dispatcher
+from gateway.generation import Generation
+from gateway.http_api import build_app
+from gateway.http_server import HttpServer
 from gateway.router import Router
 from gateway.served_model import ServedModel, locate_model
 from gateway.servicer import BatonServicer
@@ -29,10 +37,16 @@ class Gateway:
     """One gateway instance. Build it on the loop that serves it; ``aclose`` it once done.
 
     ``model`` replaces the one named by the config (tests share one loaded tokenizer); the
-    gateway closes only a model it made itself.
+    gateway closes only a model it made itself. ``tracer_provider`` (built in ``__main__``,
+    or an in-memory one in tests) records the request spans; None records none.
     """
 
-    def __init__(self, config: GatewayConfig, model: ServedModel | None = None) -> None:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        model: ServedModel | None = None,
+        tracer_provider: trace.TracerProvider | None = None,
+    ) -> None:
         self.config = config
         self.channels = ChannelCache()
         self._owns_model = model is None
@@ -46,8 +60,22 @@ class Gateway:
             poll_interval_s=config.stats_interval_s,
             stats_timeout_s=config.stats_timeout_s,
         )
-        self.dispatcher = Dispatcher(self.router, self.channels, max_retries=config.max_retries)
-        self.servicer = BatonServicer(self.model, self.dispatcher)
+        tracer = (tracer_provider or trace.NoOpTracerProvider()).get_tracer("baton.gateway")
+        self.dispatcher = Dispatcher(
+            self.router, self.channels, max_retries=config.max_retries, tracer=tracer
+        )
+        self.generation = Generation(self.model, self.dispatcher, tracer)
+        self.servicer = BatonServicer(self.generation)
+        self.http: HttpServer | None = None
+        if config.http_port is not None:
+            app = build_app(self.generation, request_timeout_s=config.http_request_timeout_s)
+            self.http = HttpServer(
+                app,
+                host=config.host,
+                port=config.http_port,
+                grace_s=config.grace_s,
+                port_file=config.http_port_file,
+            )
 
     def spec(self) -> ServerSpec:
         return ServerSpec(
@@ -59,10 +87,14 @@ class Gateway:
             ready=self.ready,
             grace_s=self.config.grace_s,
             port_file=self.config.port_file,
+            on_stop=self.stop_http,
         )
 
     async def ready(self) -> None:
-        """Load the tokenizer and wait for a decode worker, side by side."""
+        """Bind the HTTP port (if any), then load the tokenizer and wait for a decode
+        worker, side by side; then admit HTTP requests."""
+        if self.http is not None:
+            await self.http.start()
         self.router.start()
         logger.info(
             "gateway: loading %s; waiting for one of %d decode worker(s) (%s prefill)",
@@ -71,8 +103,16 @@ class Gateway:
             len(self.config.prefill) or "no",
         )
         await asyncio.gather(self.model.load(), self.router.wait_ready())
+        if self.http is not None:
+            self.http.open()
+
+    async def stop_http(self) -> None:
+        """Drain and stop the HTTP listener (a no-op without one, or after the first call)."""
+        if self.http is not None:
+            await self.http.stop()
 
     async def aclose(self) -> None:
+        await self.stop_http()
         await self.router.close()
         await self.channels.close()
         if self._owns_model:

@@ -2,6 +2,7 @@
 
     baton run "Write a haiku about relay races"     # start everything, stream one answer
     baton serve --gateway-port 50051                # start everything, serve until Ctrl-C
+    baton serve --http-port 8000                    # ... with the OpenAI-compatible HTTP API
     baton generate --address HOST:PORT "prompt"     # talk to a running gateway
 
 ``run`` and ``serve`` start a gateway, a prefill worker and a decode worker as separate
@@ -35,7 +36,9 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="WARNING")
 
 
-def _spec(args: argparse.Namespace, gateway_port: int = 0) -> ClusterSpec:
+def _spec(
+    args: argparse.Namespace, gateway_port: int = 0, http_port: int | None = None
+) -> ClusterSpec:
     return ClusterSpec(
         model=args.model,
         mode="single" if args.single_process else "disaggregated",
@@ -44,6 +47,7 @@ def _spec(args: argparse.Namespace, gateway_port: int = 0) -> ClusterSpec:
         num_decode=args.decode_workers,
         dtype=args.dtype,
         gateway_port=gateway_port,
+        http_port=http_port,
         log_level=args.log_level,
     )
 
@@ -62,6 +66,12 @@ def _parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="start a local deployment and serve until Ctrl-C")
     _cluster_args(serve)
     serve.add_argument("--gateway-port", type=int, default=50051)
+    serve.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="also serve the OpenAI-compatible HTTP API (/v1/...) on this port; 0: any free one",
+    )
     sub.add_parser("generate", help="stream from a running gateway (see --help)", add_help=False)
     return p
 
@@ -89,9 +99,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not args.raw:
                 flags.append("--chat")
             return client_cli.main([*flags, args.prompt], prog="baton run")
-    with LocalCluster(_spec(args, args.gateway_port)) as cluster:
+    with LocalCluster(_spec(args, args.gateway_port, args.http_port)) as cluster:
+        http = f", OpenAI HTTP on http://{cluster.http_address}/v1" if cluster.http_address else ""
         print(
-            f"baton: serving on {cluster.gateway_address} "
+            f"baton: serving on {cluster.gateway_address}{http} "
             f"(decode {cluster.addresses('decode')}, prefill {cluster.addresses('prefill')}); "
             "Ctrl-C stops",
             file=sys.stderr,

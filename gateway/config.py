@@ -34,6 +34,11 @@ class GatewayConfig:
     stats_interval_s: float = 0.25  # how often every worker's Stats is polled
     stats_timeout_s: float = 1.0  # deadline of one Stats call
     log_level: str = "INFO"
+    # --- OpenAI-compatible HTTP and traces (gateway.http_server, rpc.tracing) ---
+    http_port: int | None = None  # None: no HTTP; 0: any free port
+    http_port_file: Path | None = None  # the bound HTTP port is written here
+    http_request_timeout_s: float = 0.0  # deadline of an HTTP request without a header; 0: none
+    otlp_endpoint: str | None = None  # export spans over OTLP/gRPC here; None: no export
 
     def __post_init__(self) -> None:
         if not self.decode:
@@ -58,6 +63,15 @@ class GatewayConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
+        if self.http_port is not None:
+            if not 0 <= self.http_port < 65536:
+                raise ValueError(f"http_port must be in [0, 65536), got {self.http_port}")
+            if self.http_port == self.port != 0:
+                raise ValueError(f"http_port and port must differ, both are {self.port}")
+        if self.http_request_timeout_s < 0:
+            raise ValueError(
+                f"http_request_timeout_s must be >= 0, got {self.http_request_timeout_s}"
+            )
 
     @classmethod
     def from_args(cls, argv: Sequence[str], env: Mapping[str, str]) -> GatewayConfig:
@@ -105,6 +119,10 @@ _FIELDS: dict[str, Callable[[str], Any]] = {
     "stats_interval_s": float,
     "stats_timeout_s": float,
     "log_level": str.upper,
+    "http_port": int,
+    "http_port_file": Path,
+    "http_request_timeout_s": float,
+    "otlp_endpoint": str,
 }
 
 
@@ -132,4 +150,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--stats-interval-s", help="seconds between worker Stats polls (0.25)")
     p.add_argument("--stats-timeout-s", help="deadline of one Stats call, seconds (1.0)")
     p.add_argument("--log-level", help=f"one of {', '.join(LOG_LEVELS)} (default INFO)")
+    p.add_argument(
+        "--http-port", help="serve the OpenAI-compatible HTTP API here; 0 picks a free one"
+    )
+    p.add_argument("--http-port-file", help="write the bound HTTP port to this file")
+    p.add_argument(
+        "--http-request-timeout-s",
+        help="deadline of an HTTP request that sends no X-Request-Timeout header; 0: none",
+    )
+    p.add_argument("--otlp-endpoint", help="export trace spans over OTLP/gRPC to this URL")
     return p

@@ -10,6 +10,9 @@ RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED, ...) pass through at once, with the worke
 
 Closing the stream (the caller saw a stop string, or went away) cancels the ``Decode``
 call, which makes decode abort the request and free its blocks, and prefill's.
+
+Each attempt's routing decision is a ``gateway.route`` span under the job's trace context,
+and that context travels to decode in the ``Decode`` call's metadata (``traceparent``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from dataclasses import dataclass
 
 import grpc
 import grpc.aio
+from opentelemetry import trace
+from opentelemetry.context import Context
 
 from engine.errors import AbortedError, DeadlineExceededError, UnavailableError
 from engine.request import RequestOutput
@@ -31,6 +36,7 @@ from protos.baton.v1 import worker_pb2, worker_pb2_grpc
 from rpc.channels import ChannelCache
 from rpc.convert import output_from_decode_response, sampling_params_to_proto
 from rpc.errors import error_from_rpc
+from rpc.tracing import metadata_for, span
 
 logger = logging.getLogger(__name__)
 
@@ -45,17 +51,26 @@ class DecodeJob:
     request_id: str
     prompt_token_ids: Sequence[int]
     params: SamplingParams
+    trace_context: Context | None = None  # the parent of this job's spans and of decode's
 
 
 class Dispatcher:
     """Runs :class:`DecodeJob`s on the workers the router picks. One per gateway."""
 
-    def __init__(self, router: Router, channels: ChannelCache, *, max_retries: int) -> None:
+    def __init__(
+        self,
+        router: Router,
+        channels: ChannelCache,
+        *,
+        max_retries: int,
+        tracer: trace.Tracer | None = None,
+    ) -> None:
         if max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {max_retries}")
         self._router = router
         self._channels = channels
         self._max_attempts = 1 + max_retries
+        self._tracer = tracer or trace.NoOpTracer()
 
     async def stream(
         self, job: DecodeJob, *, timeout: float | None
@@ -73,8 +88,16 @@ class Dispatcher:
             sampling_params=sampling_params_to_proto(job.params),
         )
         failed_prefill: list[str] = []
+        metadata = metadata_for(job.trace_context)
         for attempt in range(1, self._max_attempts + 1):
-            route = self._router.pick(len(job.prompt_token_ids), avoid_prefill=failed_prefill)
+            with span(
+                self._tracer, "gateway.route", job.trace_context, request_id=job.request_id
+            ) as route_span:
+                route = self._router.pick(len(job.prompt_token_ids), avoid_prefill=failed_prefill)
+                route_span.set_attribute("baton.attempt", attempt)
+                route_span.set_attribute("baton.decode", route.decode)
+                if route.prefill:
+                    route_span.set_attribute("baton.prefill", route.prefill)
             remaining = None if deadline is None else deadline - loop.time()
             if remaining is not None and remaining <= 0:
                 raise DeadlineExceededError(
@@ -83,7 +106,8 @@ class Dispatcher:
             request.prefill_address = route.prefill
             started = False
             try:
-                async with contextlib.aclosing(self._attempt(route, request, remaining)) as outs:
+                attempt_outs = self._attempt(route, request, remaining, metadata)
+                async with contextlib.aclosing(attempt_outs) as outs:
                     async for out in outs:
                         started = started or bool(out.new_token_ids) or out.finished
                         yield out
@@ -107,11 +131,15 @@ class Dispatcher:
                 await self._probe(route)
 
     async def _attempt(
-        self, route: Route, request: worker_pb2.DecodeRequest, timeout: float | None
+        self,
+        route: Route,
+        request: worker_pb2.DecodeRequest,
+        timeout: float | None,
+        metadata: tuple[tuple[str, str], ...],
     ) -> AsyncGenerator[RequestOutput, None]:
         rid = request.request_id
         stub = worker_pb2_grpc.DecodeWorkerStub(self._channels.get(route.decode))
-        call = stub.Decode(request, timeout=timeout)
+        call = stub.Decode(request, timeout=timeout, metadata=metadata or None)
         logger.debug("request %s: Decode on %s (prefill %s)", rid, route.decode, route.prefill)
         try:
             while True:

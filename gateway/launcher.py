@@ -39,6 +39,7 @@ class ClusterSpec:
     # CPU sets per worker kind, e.g. {"prefill": {0}, "decode": {1}}; empty: no pinning.
     cpus: dict[str, frozenset[int]] = field(default_factory=dict)
     gateway_port: int = 0  # 0: any free port
+    http_port: int | None = None  # the gateway's OpenAI-compatible HTTP; None: off, 0: any
     start_timeout_s: float = 600.0
     log_level: str = "WARNING"
 
@@ -68,6 +69,7 @@ class LocalCluster:
         self.workdir = workdir or Path(self._tmp.name)  # type: ignore[union-attr]
         self.procs: list[_Proc] = []
         self.gateway_address = ""
+        self.http_address = ""  # host:port of the OpenAI-compatible HTTP API, if on
 
     def __enter__(self) -> LocalCluster:
         try:
@@ -130,10 +132,16 @@ class LocalCluster:
             gw_args += ["--decode", addr]
         for addr in self.addresses("prefill"):
             gw_args += ["--prefill", addr]
+        http_port_file = self.workdir / "gateway-0.http.port"
+        if s.http_port is not None:
+            gw_args += ["--http-port", str(s.http_port), "--http-port-file", str(http_port_file)]
         gateway = self._spawn("gateway", 0, gw_args, port=s.gateway_port)
         self._await_port(gateway, deadline)
         wait_serving(gateway.address, deadline - time.monotonic(), gateway)
         self.gateway_address = gateway.address
+        if s.http_port is not None:
+            # Bound before the gateway reports SERVING, so the file is there by now.
+            self.http_address = f"127.0.0.1:{int(http_port_file.read_text())}"
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM everything (gateway first, so it stops taking work), then SIGKILL."""

@@ -1,13 +1,18 @@
 """The gateway's edge check: a wire ``GenerateRequest`` in, a typed :class:`GenerateInput` out.
 
 Everything a client controls is checked here, before any tokenizing or routing, and every
-failure is a ``ValueError`` whose message starts with the proto field's path
-(``sampling_params.temperature``, ``stop[2]``, ``token_ids.ids[5]``, ``chat.messages[1].role``),
-which the error interceptor returns as INVALID_ARGUMENT.
+failure is a :class:`FieldError` (a ``ValueError``) whose message starts with the field's
+path (``sampling_params.temperature``, ``stop[2]``, ``token_ids.ids[5]``,
+``chat.messages[1].role``), which the error interceptor returns as INVALID_ARGUMENT.
+
+The checks themselves (``check_*``) take plain values and the path to name, so the
+OpenAI-compatible HTTP front end (gateway.openai_request) applies the very same rules to
+its own field names.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -25,6 +30,18 @@ MAX_REQUEST_ID_CHARS = 128
 # Prompt text longer than this many characters per token of max_model_len cannot fit, and
 # is refused before it ties up the tokenizer thread.
 MAX_CHARS_PER_TOKEN = 32
+
+
+class FieldError(ValueError):
+    """Bad input in one named request field; ``field`` is its path (``stop[2]``)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class PromptTooLongError(FieldError):
+    """The prompt leaves no room for a generated token within max_model_len."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,10 +64,14 @@ class GenerateInput:
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # The request field that carried the prompt, named in errors; None: the proto field.
+    prompt_path: str | None = None
 
     @property
     def prompt_field(self) -> str:
-        """The proto field that carried the prompt, for error messages."""
+        """The request field that carried the prompt, for error messages."""
+        if self.prompt_path is not None:
+            return self.prompt_path
         if self.text is not None:
             return "text"
         if self.chat is not None:
@@ -60,40 +81,37 @@ class GenerateInput:
 
 def validate_generate_request(msg: generate_pb2.GenerateRequest, card: ModelCard) -> GenerateInput:
     """Check ``msg`` against the served model; raises ValueError naming the bad field."""
-    request_id = _request_id(msg)
-    params = sampling_params_from_proto(msg.sampling_params)
+    request_id = (
+        check_request_id(msg.request_id, "request_id") if msg.HasField("request_id") else None
+    )
     try:
-        params.validate_vocab(card.vocab_size)
-    except ValueError as exc:
-        raise ValueError(f"sampling_params.{exc}") from exc
-    if params.logprobs is not None and params.logprobs > card.max_logprobs:
-        raise ValueError(
-            f"sampling_params.logprobs must be <= {card.max_logprobs}, got {params.logprobs}"
-        )
+        params = sampling_params_from_proto(msg.sampling_params)
+    except ValueError as exc:  # the message starts with sampling_params.<field>
+        raise FieldError(str(exc).split(" ", 1)[0].rstrip(":"), str(exc)) from exc
+    check_sampling_params(params, card, lambda name: f"sampling_params.{name}")
     text: str | None = None
     turns: tuple[ChatTurn, ...] | None = None
     token_ids: tuple[int, ...] | None = None
     kind = msg.WhichOneof("prompt")
-    max_chars = MAX_CHARS_PER_TOKEN * card.max_model_len
+    max_chars = max_prompt_chars(card)
     if kind == "text":
-        text = _text(msg.text, max_chars)
+        text = check_text(msg.text, max_chars, "text")
     elif kind == "chat":
-        if not card.has_chat_template:
-            raise ValueError(
-                f"chat: model {card.model_id} has no chat template; send text or token_ids"
-            )
-        turns = _chat(msg.chat, max_chars)
+        check_chat_template(card, "chat", "send text or token_ids")
+        turns = check_chat(
+            [(m.role, m.content) for m in msg.chat.messages], max_chars, "chat.messages"
+        )
     elif kind == "token_ids":
-        token_ids = _token_ids(msg.token_ids, card)
+        token_ids = check_token_ids(msg.token_ids.ids, card, "token_ids.ids")
     else:
-        raise ValueError("prompt must be set: one of text, chat or token_ids")
+        raise FieldError("prompt", "prompt must be set: one of text, chat or token_ids")
     return GenerateInput(
         request_id=request_id,
         params=params,
         text=text,
         chat=turns,
         token_ids=token_ids,
-        stop=_stop_strings(msg),
+        stop=check_stop_strings(msg.stop, "stop"),
         include_stop_str_in_output=msg.include_stop_str_in_output,
         skip_special_tokens=(
             msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True
@@ -104,75 +122,112 @@ def validate_generate_request(msg: generate_pb2.GenerateRequest, card: ModelCard
 def check_prompt_length(field: str, num_tokens: int, card: ModelCard) -> None:
     """A prompt must leave room for at least one generated token."""
     if num_tokens == 0:
-        raise ValueError(f"{field} is empty after tokenization")
+        raise FieldError(field, f"{field} is empty after tokenization")
     if num_tokens >= card.max_model_len:
-        raise ValueError(
+        raise PromptTooLongError(
+            field,
             f"{field} has {num_tokens} tokens; at most {card.max_model_len - 1} fit "
-            f"(max_model_len {card.max_model_len} includes at least one output token)"
+            f"(max_model_len {card.max_model_len} includes at least one output token)",
         )
 
 
-def _request_id(msg: generate_pb2.GenerateRequest) -> str | None:
-    if not msg.HasField("request_id"):
-        return None
-    rid = msg.request_id
+def max_prompt_chars(card: ModelCard) -> int:
+    """The most prompt characters worth tokenizing for ``card`` (see MAX_CHARS_PER_TOKEN)."""
+    return MAX_CHARS_PER_TOKEN * card.max_model_len
+
+
+def check_sampling_params(
+    params: SamplingParams, card: ModelCard, path: Callable[[str], str]
+) -> None:
+    """What SamplingParams cannot check alone: the model's vocabulary and logprobs limit.
+    ``path`` turns a SamplingParams field name into the request's field path."""
+    try:
+        params.validate_vocab(card.vocab_size)
+    except ValueError as exc:  # "stop_token_ids contains ..."
+        field = path("stop_token_ids")
+        raise FieldError(field, field + str(exc).removeprefix("stop_token_ids")) from exc
+    if params.logprobs is not None and params.logprobs > card.max_logprobs:
+        raise FieldError(
+            path("logprobs"),
+            f"{path('logprobs')} must be <= {card.max_logprobs}, got {params.logprobs}",
+        )
+
+
+def check_request_id(rid: str, field: str) -> str:
     if not 0 < len(rid) <= MAX_REQUEST_ID_CHARS or not rid.isprintable():
-        raise ValueError(
-            f"request_id must be 1 to {MAX_REQUEST_ID_CHARS} printable characters, got "
-            f"{rid[: MAX_REQUEST_ID_CHARS + 1]!r}"
+        raise FieldError(
+            field,
+            f"{field} must be 1 to {MAX_REQUEST_ID_CHARS} printable characters, got "
+            f"{rid[: MAX_REQUEST_ID_CHARS + 1]!r}",
         )
     return rid
 
 
-def _stop_strings(msg: generate_pb2.GenerateRequest) -> tuple[str, ...]:
-    if len(msg.stop) > MAX_STOP_STRINGS:
-        raise ValueError(f"stop has {len(msg.stop)} entries; at most {MAX_STOP_STRINGS} allowed")
-    for i, stop in enumerate(msg.stop):
-        if not stop:
-            raise ValueError(f"stop[{i}] must be non-empty")
-        if len(stop) > MAX_STOP_STRING_CHARS:
-            raise ValueError(
-                f"stop[{i}] has {len(stop)} characters; at most {MAX_STOP_STRING_CHARS} allowed"
+def check_stop_strings(stop: Sequence[str], field: str) -> tuple[str, ...]:
+    if len(stop) > MAX_STOP_STRINGS:
+        raise FieldError(
+            field, f"{field} has {len(stop)} entries; at most {MAX_STOP_STRINGS} allowed"
+        )
+    for i, s in enumerate(stop):
+        if not s:
+            raise FieldError(f"{field}[{i}]", f"{field}[{i}] must be non-empty")
+        if len(s) > MAX_STOP_STRING_CHARS:
+            raise FieldError(
+                f"{field}[{i}]",
+                f"{field}[{i}] has {len(s)} characters; at most {MAX_STOP_STRING_CHARS} allowed",
             )
-    return tuple(msg.stop)
+    return tuple(stop)
 
 
-def _text(text: str, max_chars: int) -> str:
+def check_text(text: str, max_chars: int, field: str) -> str:
     if not text:
-        raise ValueError("text must be non-empty")
+        raise FieldError(field, f"{field} must be non-empty")
     if len(text) > max_chars:
-        raise ValueError(f"text has {len(text)} characters; at most {max_chars} allowed")
+        raise FieldError(field, f"{field} has {len(text)} characters; at most {max_chars} allowed")
     return text
 
 
-def _chat(chat: generate_pb2.ChatMessages, max_chars: int) -> tuple[ChatTurn, ...]:
-    if not chat.messages:
-        raise ValueError("chat.messages must hold at least one message")
+def check_chat_template(card: ModelCard, field: str, instead: str) -> None:
+    if not card.has_chat_template:
+        raise FieldError(field, f"{field}: model {card.model_id} has no chat template; {instead}")
+
+
+def check_chat(
+    messages: Sequence[tuple[str, str]], max_chars: int, field: str
+) -> tuple[ChatTurn, ...]:
+    """(role, content) pairs -> turns; ``field`` names the message list."""
+    if not messages:
+        raise FieldError(field, f"{field} must hold at least one message")
     turns = []
     total = 0
-    for i, message in enumerate(chat.messages):
-        if message.role not in CHAT_ROLES:
-            raise ValueError(
-                f"chat.messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, "
-                f"got {message.role!r}"
+    for i, (role, content) in enumerate(messages):
+        if role not in CHAT_ROLES:
+            raise FieldError(
+                f"{field}[{i}].role",
+                f"{field}[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
             )
-        if not message.content:
-            raise ValueError(f"chat.messages[{i}].content must be non-empty")
-        total += len(message.content)
-        turns.append(ChatTurn(role=message.role, content=message.content))
+        if not content:
+            raise FieldError(f"{field}[{i}].content", f"{field}[{i}].content must be non-empty")
+        total += len(content)
+        turns.append(ChatTurn(role=role, content=content))
     if total > max_chars:
-        raise ValueError(f"chat.messages hold {total} characters; at most {max_chars} allowed")
+        raise FieldError(field, f"{field} hold {total} characters; at most {max_chars} allowed")
     return tuple(turns)
 
 
-def _token_ids(msg: generate_pb2.TokenIds, card: ModelCard) -> tuple[int, ...]:
-    ids = tuple(msg.ids)
+def check_token_ids(ids: Sequence[int], card: ModelCard, field: str) -> tuple[int, ...]:
+    ids = tuple(ids)
     if not ids:
-        raise ValueError("token_ids.ids must be non-empty")
-    if max(ids) >= card.vocab_size:
-        i = next(i for i, token in enumerate(ids) if token >= card.vocab_size)
-        raise ValueError(
-            f"token_ids.ids[{i}] is {ids[i]}, outside the vocabulary [0, {card.vocab_size})"
-        )
-    check_prompt_length("token_ids.ids", len(ids), card)
+        raise FieldError(field, f"{field} must be non-empty")
+    for i, token in enumerate(ids):
+        if (
+            isinstance(token, bool)
+            or not isinstance(token, int)
+            or not 0 <= token < card.vocab_size
+        ):
+            raise FieldError(
+                f"{field}[{i}]",
+                f"{field}[{i}] is {token!r}, outside the vocabulary [0, {card.vocab_size})",
+            )
+    check_prompt_length(field, len(ids), card)
     return ids

@@ -69,6 +69,9 @@ class ServerSpec:
     # (its engine died): health goes NOT_SERVING and new calls are refused with
     # UNAVAILABLE, so probes and the gateway route around it. None: never.
     fatal: Callable[[], Awaitable[str]] | None = None
+    # Awaited when stopping begins, beside the drain of gRPC calls and within the same
+    # grace period: another front end of the service (the gateway's HTTP API) drains here.
+    on_stop: Callable[[], Awaitable[None]] | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -255,6 +258,7 @@ class RpcServer:
             self._fatal_task.cancel()
         await self.health_servicer.enter_graceful_shutdown()
         self._gate.close(f"{name} is shutting down")
+        also = asyncio.create_task(self.spec.on_stop()) if self.spec.on_stop else None
         logger.info(
             "%s draining: %d call(s) in flight, grace %.1fs", name, self._gate.in_flight, grace
         )
@@ -265,6 +269,11 @@ class RpcServer:
                 self._gate.in_flight,
                 grace,
             )
+        if also is not None:
+            try:
+                await also
+            except Exception:
+                logger.exception("%s: on_stop failed", name)
         # Cancels whatever is left, including health Watch streams, which never end.
         await self._server.stop(0)
         logger.info("%s stopped after %.2fs", name, time.monotonic() - began)

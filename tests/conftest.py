@@ -5,12 +5,15 @@ Builders live in ``tests/factories.py``; fixtures here only cache their results.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from engine.model_files import ModelFiles, resolve_model
+from gateway.served_model import ServedModel, locate_model, read_model_card
+from gateway.tokenizer import Tokenizer
 from tests.factories import make_tiny_model_dir
 
 
@@ -35,3 +38,13 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory, smollm2: ModelFiles) ->
     return make_tiny_model_dir(
         tmp_path_factory.mktemp("tiny-llama"), arch="llama", tokenizer_from=smollm2.path
     )
+
+
+@pytest.fixture(scope="session")
+def served_smollm2(smollm2: ModelFiles) -> Iterator[ServedModel]:
+    """SmolLM2 as the gateway sees it (card and tokenizer, loaded once), for gateways
+    built in the test process."""
+    source = locate_model("smollm2-135m")
+    tokenizer = Tokenizer.load(source.directory)
+    yield ServedModel.from_loaded(source, tokenizer, read_model_card(source, tokenizer))
+    tokenizer.close()

@@ -111,9 +111,11 @@ def tiny_cluster(
     prefill_args: Sequence[str] = (),
     decode_args: Sequence[str] = (),
     gateway_args: Sequence[str] = (),
+    http_port: int | None = None,
 ) -> Iterator[E2ECluster]:
     """Start a cluster of the tiny model (float32, one compute thread per worker); stop
-    it on the way out, whatever happened."""
+    it on the way out, whatever happened. ``http_port`` (0: any) turns on the gateway's
+    OpenAI-compatible HTTP API (``cluster.http_address``)."""
     spec = ClusterSpec(
         model=str(model_dir),
         mode=mode,
@@ -125,6 +127,7 @@ def tiny_cluster(
         gateway_args=("--stats-interval-s", "0.1", *gateway_args),
         start_timeout_s=180.0,
         log_level="INFO",
+        http_port=http_port,
     )
     with E2ECluster(spec, prefill_args=prefill_args, decode_args=decode_args) as cluster:
         yield cluster

@@ -2,7 +2,7 @@
 
 A :class:`FakeDecodeWorker` plays a :class:`Script` per request (token chunks, delays, an
 injected failure, or a hang until cancelled) and records what happened: the requests it
-got, the deadline each arrived with, and which ones were cancelled. A
+got, the deadline and metadata each arrived with, and which ones were cancelled. A
 :class:`FakePrefillWorker` only answers Stats. Both run behind a real ``RpcServer`` on
 127.0.0.1 port 0, so raised typed errors reach the gateway as real status codes.
 """
@@ -55,6 +55,7 @@ class FakeDecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
         self.stats_error: BaseException | None = None
         self.requests: list[worker_pb2.DecodeRequest] = []
         self.time_remaining: dict[str, float | None] = {}
+        self.metadata: dict[str, dict[str, str]] = {}  # the invocation metadata of each call
         self.cancelled: list[str] = []
         self.completed: list[str] = []
 
@@ -67,6 +68,7 @@ class FakeDecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
         rid = request.request_id
         self.requests.append(request)
         self.time_remaining[rid] = context.time_remaining()
+        self.metadata[rid] = {k: v for k, v in context.invocation_metadata() if isinstance(v, str)}
         script = self.script_for(request) if self.script_for is not None else self.script
         want_logprobs = request.sampling_params.HasField("logprobs")
         chunks = [

@@ -1,0 +1,199 @@
+"""The one request path behind both front ends (gRPC ``Baton.Generate`` and OpenAI HTTP).
+
+validate -> tokenize -> dispatch to decode (deadline propagated) -> detokenize, apply stop
+strings -> deltas. A front end only maps its wire format onto a :class:`GenerateInput`
+(its own validator, run by :meth:`Generation.validate`) and the resulting
+:class:`GenerateDelta` s back onto its wire format.
+
+Errors are raised as typed exceptions (ValueError / FieldError, ResourceExhaustedError,
+UnavailableError, DeadlineExceededError, ...); each front end maps them in one place
+(rpc.errors for gRPC, gateway.http_errors for HTTP). Closing the delta stream early (a
+stop string, a client that went away, a passed deadline) closes the dispatch stream,
+which cancels the ``Decode`` call downstream and frees the request's blocks everywhere.
+
+Traces: a front end opens the request's root span ``gateway.request``
+(:meth:`Generation.request_span`, under the caller's ``traceparent`` if any, else a new
+trace); under it come ``gateway.validate``,
+``gateway.tokenize`` and ``gateway.stream``, which is the parent of each attempt's
+``gateway.route`` and of decode's own spans.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, Callable, Iterator
+from dataclasses import dataclass
+from typing import TypeVar
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+
+from engine.errors import DeadlineExceededError
+from gateway.dispatcher import DecodeJob, Dispatcher
+from gateway.output_processor import GenerateDelta, OutputProcessor
+from gateway.served_model import ModelCard, ServedModel
+from gateway.tokenizer import Tokenizer
+from gateway.validation import FieldError, GenerateInput, check_prompt_length
+from rpc.tracing import REQUEST_ID, child_context, span
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class RequestTrace:
+    """One request's root span, and the context its child spans hang under."""
+
+    root: trace.Span
+    context: Context
+
+
+class Generation:
+    """Runs requests for the front ends. One per gateway."""
+
+    def __init__(
+        self, model: ServedModel, dispatcher: Dispatcher, tracer: trace.Tracer | None = None
+    ) -> None:
+        self._model = model
+        self._dispatcher = dispatcher
+        self._tracer = tracer or trace.NoOpTracer()
+        # Client-chosen ids of requests in flight here: a duplicate would make logs,
+        # cancellation and usage ambiguous, so it is refused.
+        self._in_flight: set[str] = set()
+
+    @property
+    def card(self) -> ModelCard:
+        return self._model.card
+
+    @contextlib.contextmanager
+    def request_span(self, api: str, parent: Context) -> Iterator[RequestTrace]:
+        """The request's root span, ``gateway.request`` (kind SERVER), under ``parent``
+        (the caller's context); ``api`` names the front end and endpoint."""
+        with span(self._tracer, "gateway.request", parent, kind=trace.SpanKind.SERVER) as root:
+            root.set_attribute("baton.api", api)
+            yield RequestTrace(root=root, context=child_context(root))
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._model.tokenizer
+
+    def validate(
+        self,
+        check: Callable[[ModelCard], T],
+        tr: RequestTrace,
+        input_of: Callable[[T], GenerateInput],
+    ) -> tuple[T, str]:
+        """Run a front end's validator against the served model (span ``gateway.validate``);
+        returns what it returned and the request id (the client's, or a new one).
+        ``input_of`` picks the :class:`GenerateInput` out of the validator's result."""
+        with span(self._tracer, "gateway.validate", tr.context) as s:
+            checked = check(self._model.card)
+            rid = input_of(checked).request_id or uuid.uuid4().hex
+            s.set_attribute(REQUEST_ID, rid)
+        tr.root.set_attribute(REQUEST_ID, rid)
+        return checked, rid
+
+    async def stream(
+        self, req: GenerateInput, rid: str, tr: RequestTrace, *, deadline: float | None
+    ) -> AsyncGenerator[GenerateDelta, None]:
+        """Deltas with content, then exactly one finished delta (with usage); or a typed error.
+
+        ``deadline`` is in ``loop.time()`` seconds (None: none). Closing the generator
+        early cancels the request downstream.
+        """
+        if rid in self._in_flight:
+            raise FieldError(
+                "request_id", f"request_id {rid!r} is already in use by a request in flight"
+            )
+        self._in_flight.add(rid)
+        try:
+            async for delta in self._stream(req, rid, tr, deadline):
+                yield delta
+        finally:
+            self._in_flight.discard(rid)
+
+    async def _stream(
+        self, req: GenerateInput, rid: str, tr: RequestTrace, deadline: float | None
+    ) -> AsyncGenerator[GenerateDelta, None]:
+        began = time.monotonic()
+        card = self._model.card
+        with span(self._tracer, "gateway.tokenize", tr.context, request_id=rid) as s:
+            prompt = await self._prompt_token_ids(req)
+            s.set_attribute("baton.prompt_tokens", len(prompt))
+            check_prompt_length(req.prompt_field, len(prompt), card)
+        logger.info(
+            "request %s: %d prompt tokens (%s), max_tokens %d, %d stop string(s)",
+            rid,
+            len(prompt),
+            req.prompt_field,
+            req.params.max_tokens,
+            len(req.stop),
+        )
+        processor = OutputProcessor(
+            rid,
+            prompt,
+            req.params,
+            self._model.tokenizer,
+            stop=req.stop,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens,
+        )
+        loop = asyncio.get_running_loop()
+        final: GenerateDelta | None = None
+        with span(self._tracer, "gateway.stream", tr.context, request_id=rid) as stream_span:
+            job = DecodeJob(
+                request_id=rid,
+                prompt_token_ids=prompt,
+                params=req.params,
+                trace_context=child_context(stream_span),
+            )
+            timeout = None if deadline is None else deadline - loop.time()
+            try:
+                if timeout is not None and timeout <= 0:
+                    raise DeadlineExceededError(f"request {rid}: deadline passed before dispatch")
+                outputs = self._dispatcher.stream(job, timeout=timeout)
+                async with contextlib.aclosing(outputs) as outs:
+                    async for out in outs:
+                        delta = processor.process(out)
+                        if delta.finished:
+                            final = delta  # leaving the loop cancels decode if still going
+                            break
+                        if delta.has_content:
+                            yield delta
+            except (asyncio.CancelledError, GeneratorExit):
+                past = deadline is not None and loop.time() >= deadline
+                why = "its deadline passed" if past else "cancelled"
+                logger.info("request %s: ended by the client (%s); decode cancelled", rid, why)
+                raise
+            except Exception as exc:  # logged with the request id, then mapped by the front end
+                logger.info("request %s: failed: %s: %s", rid, type(exc).__name__, exc)
+                raise
+            assert final is not None, "the dispatch stream ends with a finished output or raises"
+            stream_span.set_attribute("baton.completion_tokens", processor.num_completion_tokens)
+        logger.info(
+            "request %s: finished (%s) with %d tokens in %.3fs",
+            rid,
+            describe_finish(final),
+            processor.num_completion_tokens,
+            time.monotonic() - began,
+        )
+        yield final
+
+    async def _prompt_token_ids(self, req: GenerateInput) -> list[int]:
+        if req.text is not None:
+            return await self._model.tokenizer.encode(req.text)
+        if req.chat is not None:
+            return await self._model.tokenizer.apply_chat_template(req.chat)
+        assert req.token_ids is not None
+        return list(req.token_ids)
+
+
+def describe_finish(delta: GenerateDelta) -> str:
+    if delta.stop_string is not None:
+        return f"stop string {delta.stop_string!r}"
+    return delta.finish_reason.value if delta.finish_reason is not None else "unfinished"

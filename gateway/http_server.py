@@ -1,0 +1,192 @@
+"""The gateway's HTTP listener: uvicorn serving an ASGI app on the gateway's own event loop.
+
+The same lifecycle as the gRPC server (rpc.server), for the same reasons::
+
+    start:  bind (port 0: any free one) -> port file -> serve; /v1 refused with 503
+    open:   once the gateway is ready (tokenizer loaded, a decode worker up)
+    stop:   /v1 refused with 503 -> in-flight requests drain for up to grace_s ->
+            uvicorn stops, cancelling what is left (which cancels their decode calls)
+
+``GET /health`` is always answered: 200 while open, 503 while starting or draining.
+uvicorn's own signal handling is turned off: the gateway's ``__main__`` owns SIGTERM and
+stops both listeners together.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import uvicorn
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from rpc.server import write_port_file
+
+logger = logging.getLogger(__name__)
+
+# How long uvicorn lets requests still running after the drain finish before cancelling.
+_FINAL_GRACE_S = 1
+
+
+class HttpGate:
+    """Admits ``/v1`` requests only while open, and counts the ones in flight (streams
+    included, until their last byte). An ASGI middleware around the app."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self._app = app
+        self.open = False
+        self.reason = "the gateway is starting"
+        self._in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    def close(self, reason: str) -> None:
+        self.open = False
+        self.reason = reason
+
+    async def wait_idle(self, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self._app(scope, receive, send)
+        if scope["path"] == "/health":
+            return await _json(send, 200 if self.open else 503, {"status": self._status()})
+        if not scope["path"].startswith("/v1/"):
+            return await self._app(scope, receive, send)
+        if not self.open:
+            error = {"message": self.reason, "type": "service_unavailable", "param": None}
+            return await _json(send, 503, {"error": {**error, "code": "unavailable"}})
+        with self._counted():
+            await self._app(scope, receive, send)
+
+    def _status(self) -> str:
+        return "serving" if self.open else self.reason
+
+    @contextlib.contextmanager
+    def _counted(self) -> Iterator[None]:
+        self._in_flight += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._idle.set()
+
+
+async def _json(send: Send, status: int, body: object) -> None:
+    data = json.dumps(body).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": data})
+
+
+class _Embedded(uvicorn.Server):
+    """uvicorn without its signal handlers (they would replace the gateway's)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class HttpServer:
+    """One HTTP listener: ``start``, ``open`` once ready, ``stop`` (safe to call twice)."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        host: str,
+        port: int,
+        grace_s: float,
+        port_file: Path | None = None,
+    ) -> None:
+        self.gate = HttpGate(app)
+        self.host = host
+        self.port = port  # the bound port, once started
+        self._grace_s = grace_s
+        self._port_file = port_file
+        self._server: _Embedded | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._stopping: asyncio.Task[None] | None = None
+
+    async def start(self) -> int:
+        """Bind and begin serving (``/v1`` refused until :meth:`open`); the bound port."""
+        if self._server is not None:
+            raise RuntimeError("http server already started")
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.host, self.port))
+        except OSError as err:
+            sock.close()
+            raise OSError(f"http: could not bind {self.host}:{self.port}: {err}") from err
+        sock.listen(1024)
+        sock.setblocking(False)
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(
+            self.gate,
+            lifespan="off",
+            http="h11",
+            ws="none",
+            log_config=None,
+            access_log=False,
+            timeout_graceful_shutdown=_FINAL_GRACE_S,
+        )
+        server = _Embedded(config)
+        self._server = server
+        self._task = asyncio.create_task(server.serve(sockets=[sock]), name="http-server")
+        while not server.started:
+            if self._task.done():
+                self._task.result()  # raises what stopped it
+                raise RuntimeError("http server stopped while starting")
+            await asyncio.sleep(0.01)
+        logger.info("gateway HTTP (OpenAI-compatible) listening on %s:%d", self.host, self.port)
+        if self._port_file is not None:
+            write_port_file(self._port_file, self.port)
+        return self.port
+
+    def open(self) -> None:
+        self.gate.open = True
+
+    async def stop(self) -> None:
+        """Refuse new requests, drain for up to grace_s, then stop serving."""
+        if self._server is None:
+            return
+        if self._stopping is None:
+            self._stopping = asyncio.create_task(self._stop())
+        await asyncio.shield(self._stopping)
+
+    async def _stop(self) -> None:
+        assert self._server is not None and self._task is not None
+        self.gate.close("the gateway is shutting down")
+        if self.gate.in_flight:
+            logger.info(
+                "http draining: %d request(s) in flight, grace %.1fs",
+                self.gate.in_flight,
+                self._grace_s,
+            )
+        if not await self.gate.wait_idle(self._grace_s):
+            logger.warning(
+                "http: %d request(s) still in flight after %.1fs; cancelling them",
+                self.gate.in_flight,
+                self._grace_s,
+            )
+        self._server.should_exit = True
+        await self._task
+        logger.info("gateway HTTP stopped")

@@ -1,0 +1,174 @@
+"""The gateway's deltas -> OpenAI responses: whole (non-streaming) or as SSE chunks.
+
+One :class:`ResponseBuilder` per request. ``chunks(delta)`` gives the stream's chunk
+objects for one delta (a chat stream opens with a chunk carrying only the role), and
+``usage_chunk`` the extra last chunk of ``stream_options.include_usage``; ``add(delta)``
+accumulates for ``response()``, the non-streaming body. Log-probabilities come in the
+endpoint's own shape: ``{tokens, token_logprobs, top_logprobs, text_offset}`` for
+completions, ``{content: [{token, logprob, bytes, top_logprobs}]}`` for chat.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from engine.errors import AbortedError
+from engine.request import FinishReason, TokenLogprob
+from gateway.openai_request import Endpoint, OpenAIRequest
+from gateway.output_processor import GenerateDelta, Usage
+
+SSE_DONE = b"data: [DONE]\n\n"
+# JSON has no infinities; a token the filters ruled out is reported at this floor (as vLLM).
+MIN_LOGPROB = -9999.0
+
+
+def sse_event(obj: dict[str, Any]) -> bytes:
+    """One server-sent event carrying ``obj`` as JSON."""
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+def usage_dict(usage: Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+def finish_reason_of(delta: GenerateDelta) -> str | None:
+    """OpenAI's finish reason for a delta; a request the worker aborted is a failure."""
+    if delta.stop_string is not None:
+        return "stop"
+    if delta.finish_reason is None:
+        return None
+    if delta.finish_reason is FinishReason.ABORT:
+        raise AbortedError("the request was aborted by the decode worker")
+    return delta.finish_reason.value  # "stop" or "length", as OpenAI spells them
+
+
+class ResponseBuilder:
+    """Shapes one request's deltas. ``token_text`` renders one token id (for logprobs)."""
+
+    def __init__(
+        self, req: OpenAIRequest, request_id: str, created: int, token_text: Callable[[int], str]
+    ) -> None:
+        self._req = req
+        self._chat = req.endpoint is Endpoint.CHAT
+        self.id = ("chatcmpl-" if self._chat else "cmpl-") + request_id
+        self._created = created
+        self._token_text = token_text
+        self._sent_role = False
+        self._text: list[str] = []
+        self._logprobs: dict[str, list[Any]] = {}
+        self._text_offset = 0  # characters of completion text before the next token
+        self._finish_reason: str | None = None
+        self._usage: Usage | None = None
+
+    # -- streaming ----------------------------------------------------------------------
+
+    def chunks(self, delta: GenerateDelta) -> list[dict[str, Any]]:
+        """The chunks for one delta (the finished one carries the finish reason)."""
+        finish = finish_reason_of(delta)
+        out = []
+        if self._chat and not self._sent_role:
+            self._sent_role = True
+            out.append(self._chunk({"role": "assistant", "content": ""}, None, None))
+        logprobs = self._format_logprobs(delta.logprobs) if self._req.logprobs else None
+        if self._chat:
+            out.append(self._chunk({"content": delta.text} if delta.text else {}, logprobs, finish))
+        else:
+            out.append(self._chunk(delta.text, logprobs, finish))
+        return out
+
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+        return self._envelope(self._object("chunk"), [], usage=usage_dict(usage))
+
+    def _chunk(self, content: Any, logprobs: Any, finish: str | None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0}
+        choice["delta" if self._chat else "text"] = content
+        choice["logprobs"] = logprobs
+        choice["finish_reason"] = finish
+        extra = {"usage": None} if self._req.include_usage else {}
+        return self._envelope(self._object("chunk"), [choice], **extra)
+
+    # -- whole --------------------------------------------------------------------------
+
+    def add(self, delta: GenerateDelta) -> None:
+        finish = finish_reason_of(delta)
+        self._text.append(delta.text)
+        if self._req.logprobs:
+            for key, values in self._format_logprobs(delta.logprobs).items():
+                self._logprobs.setdefault(key, []).extend(values)
+        if finish is not None:
+            self._finish_reason, self._usage = finish, delta.usage
+
+    def response(self) -> dict[str, Any]:
+        assert self._usage is not None, "response() comes after the finished delta"
+        text = "".join(self._text)
+        logprobs: dict[str, Any] | None = None
+        if self._req.logprobs:
+            empty = {"content": []} if self._chat else self._format_logprobs([])
+            whole: dict[str, Any] = {**empty, **self._logprobs}
+            if self._chat:
+                whole["refusal"] = None
+            logprobs = whole
+        choice: dict[str, Any] = {"index": 0}
+        if self._chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice["logprobs"] = logprobs
+        choice["finish_reason"] = self._finish_reason
+        return self._envelope(self._object("whole"), [choice], usage=usage_dict(self._usage))
+
+    # -- shared -------------------------------------------------------------------------
+
+    def _object(self, kind: str) -> str:
+        if self._chat:
+            return "chat.completion.chunk" if kind == "chunk" else "chat.completion"
+        return "text_completion"
+
+    def _envelope(self, obj: str, choices: list[Any], **extra: Any) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self._created,
+            "model": self._req.model,
+            "system_fingerprint": None,
+            "choices": choices,
+            **extra,
+        }
+
+    def _format_logprobs(self, lps: list[TokenLogprob]) -> dict[str, list[Any]]:
+        if self._chat:
+            return {"content": [self._chat_logprob(lp) for lp in lps]}
+        out: dict[str, list[Any]] = {
+            "tokens": [],
+            "token_logprobs": [],
+            "top_logprobs": [],
+            "text_offset": [],
+        }
+        for lp in lps:
+            token = self._token_text(lp.token_id)
+            out["tokens"].append(token)
+            out["token_logprobs"].append(_finite(lp.logprob))
+            out["top_logprobs"].append({self._token_text(t): _finite(v) for t, v in lp.top})
+            out["text_offset"].append(self._text_offset)
+            self._text_offset += len(token)
+        return out
+
+    def _chat_logprob(self, lp: TokenLogprob) -> dict[str, Any]:
+        entry = self._chat_token(lp.token_id, lp.logprob)
+        entry["top_logprobs"] = [self._chat_token(t, v) for t, v in lp.top]
+        return entry
+
+    def _chat_token(self, token_id: int, logprob: float) -> dict[str, Any]:
+        token = self._token_text(token_id)
+        return {"token": token, "logprob": _finite(logprob), "bytes": list(token.encode())}
+
+
+def _finite(logprob: float) -> float:
+    return logprob if logprob >= MIN_LOGPROB else MIN_LOGPROB
