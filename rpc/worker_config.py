@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import EngineConfig
+from engine.transfer.base import check_transport_device
 
 ROLES = ("prefill", "decode", "both")
 TRANSPORTS = ("shm", "gloo", "cuda_ipc", "nccl")
@@ -52,6 +53,8 @@ class WorkerConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
+        if self.role != "both":  # a single-process worker moves no KV
+            check_transport_device(self.transport, self.engine.device)
 
     @classmethod
     def from_args(cls, role: str, argv: Sequence[str], env: Mapping[str, str]) -> WorkerConfig:
