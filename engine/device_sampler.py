@@ -2,13 +2,13 @@
 
 ``Sampler`` builds small tensors from Python lists and reads a maximum back from the
 device; on a GPU each of those waits for the whole queued forward pass. Here rows that
-ask only for greedy, temperature, top-k, top-p or min-p, unseeded and without
-logprobs, penalties or min_tokens, take one path whose parameters travel in one pinned
-buffer with one non-blocking copy; the only synchronisation left is reading the chosen
-tokens back. Any other batch goes to ``Sampler`` unchanged.
+ask only for greedy, temperature, top-k, top-p, min-p or a seed, without logprobs,
+penalties or min_tokens, take one path whose parameters travel in one pinned buffer
+with one non-blocking copy; the only synchronisation left is reading the chosen tokens
+back. Any other batch goes to ``Sampler`` unchanged.
 
 For such rows the result equals ``Sampler``'s: the same exponential race over the same
-noise, drawn from the same generator in the same shape.
+noise, drawn from the same generators in the same shapes and order.
 """
 
 from __future__ import annotations
@@ -18,18 +18,13 @@ import torch
 from engine.request import TokenLogprob
 from engine.sampler import Sampler, SamplingRow
 
-# Rows of the packed parameter buffer.
-_GREEDY, _TEMP, _TOP_K, _TOP_P, _MIN_P = range(5)
+# Rows of the packed parameter buffer; _UNSEEDED lists the unseeded rows' indices.
+_GREEDY, _TEMP, _TOP_K, _TOP_P, _MIN_P, _UNSEEDED = range(6)
 
 
 def _plain(row: SamplingRow) -> bool:
     p = row.params
-    return (
-        row.generator is None
-        and p.logprobs is None
-        and not p.has_penalties
-        and row.num_outputs >= p.min_tokens
-    )
+    return p.logprobs is None and not p.has_penalties and row.num_outputs >= p.min_tokens
 
 
 class DeviceSampler(Sampler):
@@ -37,7 +32,7 @@ class DeviceSampler(Sampler):
         super().__init__(device, seed)
         self.device = device
         self._pin = device.type == "cuda"
-        self._host = torch.empty((5, 0), dtype=torch.float32)
+        self._host = torch.empty((6, 0), dtype=torch.float32)
 
     def __call__(
         self, logits: torch.Tensor, rows: list[SamplingRow]
@@ -50,11 +45,12 @@ class DeviceSampler(Sampler):
             chosen = self._sample_plain(logits, rows)
         return [(token, None) for token in chosen.tolist()]
 
-    def _params(self, rows: list[SamplingRow]) -> torch.Tensor:
-        """[5, rows] float32 on the device: greedy flag, temperature, top-k, top-p, min-p."""
+    def _params(self, rows: list[SamplingRow], unseeded: list[int]) -> torch.Tensor:
+        """[6, rows] float32 on the device: greedy flag, temperature, top-k, top-p, min-p,
+        then the unseeded rows' indices (exact in fp32 for any batch we run)."""
         n = len(rows)
         if self._host.shape[1] < n:
-            self._host = torch.empty((5, max(n, 64)), dtype=torch.float32, pin_memory=self._pin)
+            self._host = torch.empty((6, max(n, 64)), dtype=torch.float32, pin_memory=self._pin)
         host = self._host[:, :n]
         host.numpy()[:] = [
             [float(r.params.greedy) for r in rows],
@@ -62,13 +58,15 @@ class DeviceSampler(Sampler):
             [float(r.params.top_k) for r in rows],
             [r.params.top_p for r in rows],
             [r.params.min_p for r in rows],
+            [float(i) for i in unseeded] + [0.0] * (n - len(unseeded)),
         ]
         # The next step refills the host buffer only after this step's tokens were read
         # back, which orders it after this copy.
         return host.to(self.device, non_blocking=True)
 
     def _sample_plain(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        params = self._params(rows)
+        unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+        params = self._params(rows, unseeded)
         vocab = logits.shape[1]
         scaled = logits / params[_TEMP].unsqueeze(1)
         top_k = [r.params.top_k for r in rows]
@@ -91,6 +89,16 @@ class DeviceSampler(Sampler):
         if any(r.params.min_p > 0.0 for r in rows):
             ms = params[_MIN_P].unsqueeze(1)
             probs = probs.masked_fill(probs < ms * probs.max(dim=-1, keepdim=True).values, 0.0)
-        noise = torch.empty_like(probs).exponential_(generator=self._gen)
+        if len(unseeded) == len(rows):
+            noise = torch.empty_like(probs).exponential_(generator=self._gen)
+        else:
+            noise = torch.empty_like(probs)
+            if unseeded:
+                index = params[_UNSEEDED, : len(unseeded)].long()
+                drawn = torch.empty((len(unseeded), probs.shape[1]), device=probs.device)
+                noise.index_copy_(0, index, drawn.exponential_(generator=self._gen))
+            for i, r in enumerate(rows):
+                if r.generator is not None:
+                    noise[i].exponential_(generator=r.generator)
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(params[_GREEDY] > 0, logits.argmax(dim=-1), sampled)

@@ -8,7 +8,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from engine.device_sampler import DeviceSampler
-from engine.sampler import Sampler, SamplingRow
+from engine.sampler import Sampler, SamplingRow, position_generator
 from engine.sampling_params import SamplingParams
 
 V = 300
@@ -31,34 +31,35 @@ class CountReadBacks(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _row(params: SamplingParams, seed: int | None = None) -> SamplingRow:
-    gen = None if seed is None else torch.Generator().manual_seed(seed)
+def _row(params: SamplingParams, position: int = 0) -> SamplingRow:
+    gen = None
+    if params.seed is not None and not params.greedy:
+        gen = position_generator(CPU, params.seed, position)
     return SamplingRow(params=params, num_outputs=0, eos_token_ids=frozenset({2}), generator=gen)
 
 
-def _plain_rows(n: int, seed: int) -> list[SamplingRow]:
+def _plain_rows(n: int, seed: int, seeded: bool) -> list[SamplingRow]:
+    """Random plain rows (fresh generators each call); some seeded when ``seeded``."""
     rng = random.Random(seed)
     rows = []
-    for _ in range(n):
-        rows.append(
-            _row(
-                SamplingParams(
-                    temperature=rng.choice([0.0, 0.7, 1.0, 1.5]),
-                    top_k=rng.choice([0, 1, 5, 40, V + 10]),
-                    top_p=rng.choice([1.0, 0.9, 0.5]),
-                    min_p=rng.choice([0.0, 0.05]),
-                )
-            )
+    for i in range(n):
+        params = SamplingParams(
+            temperature=rng.choice([0.0, 0.7, 1.0, 1.5]),
+            top_k=rng.choice([0, 1, 5, 40, V + 10]),
+            top_p=rng.choice([1.0, 0.9, 0.5]),
+            min_p=rng.choice([0.0, 0.05]),
+            seed=rng.choice([None, 11, 12]) if seeded else None,
         )
+        rows.append(_row(params, position=i))
     return rows
 
 
 def test_plain_rows_draw_the_same_tokens_as_sampler() -> None:
-    for seed in range(5):
+    for seed in range(6):
         logits = torch.randn((24, V), generator=torch.Generator().manual_seed(seed)) * 3
-        rows = _plain_rows(24, seed)
-        ours = DeviceSampler(CPU, seed)(logits, rows)
-        ref = Sampler(CPU, seed)(logits, rows)
+        seeded = seed % 2 == 1
+        ours = DeviceSampler(CPU, seed)(logits, _plain_rows(24, seed, seeded))
+        ref = Sampler(CPU, seed)(logits, _plain_rows(24, seed, seeded))
         assert ours == ref
 
 
@@ -70,7 +71,8 @@ def test_all_greedy_is_argmax() -> None:
 
 def test_plain_path_reads_back_once_where_sampler_reads_more() -> None:
     logits = torch.randn((8, V), generator=torch.Generator().manual_seed(2))
-    rows = [_row(SamplingParams(temperature=0.8, top_k=7, top_p=0.9, min_p=0.01))] * 8
+    rows = [_row(SamplingParams(temperature=0.8, top_k=7, top_p=0.9, min_p=0.01))] * 6
+    rows += [_row(SamplingParams(temperature=0.8, seed=3), position=p) for p in (4, 5)]
     with CountReadBacks() as ours:
         DeviceSampler(CPU, 0)(logits, rows)
     with CountReadBacks() as ref:
@@ -82,18 +84,11 @@ def test_plain_path_reads_back_once_where_sampler_reads_more() -> None:
 def test_other_rows_go_to_sampler_unchanged() -> None:
     logits = torch.randn((4, V), generator=torch.Generator().manual_seed(3))
     for rows in (
-        [_row(SamplingParams(temperature=1.0, seed=5), seed=5), _row(SamplingParams())],
         [_row(SamplingParams(temperature=0, logprobs=2))] * 2,
-        [_row(SamplingParams(temperature=0, repetition_penalty=1.3))],
+        [SamplingRow(SamplingParams(repetition_penalty=1.3), 0, frozenset({2}), None, [4, 4])],
+        [_row(SamplingParams(temperature=0.5, min_tokens=2, stop_token_ids=(7,)))],
     ):
-        if rows[0].params.has_penalties:
-            rows = [SamplingRow(rows[0].params, 0, frozenset({2}), None, token_ids=[4, 4])]
         n = len(rows)
-        gens = [r.generator.get_state() if r.generator is not None else None for r in rows]
         ours = DeviceSampler(CPU, 9)(logits[:n], rows)
-        for r, state in zip(rows, gens, strict=True):
-            if state is not None:
-                assert r.generator is not None
-                r.generator.set_state(state)
         ref = Sampler(CPU, 9)(logits[:n], rows)
         assert ours == ref

@@ -36,8 +36,7 @@ from tests.transfer_peer import (
 )
 
 PEER_LOST = (UnavailableError, AbortedError, DeadlineExceededError)
-FAST = TransferConfig(group_bytes=1, connect_timeout_s=5.0, stall_timeout_s=4.0,
-                      drain_timeout_s=1.0)  # fmt: skip
+FAST = TransferConfig(group_bytes=1, connect_timeout_s=5.0, stall_timeout_s=4.0)
 
 
 @pytest.fixture(autouse=True)
