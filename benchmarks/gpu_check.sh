@@ -7,7 +7,8 @@
 # What it does, within an overall budget of 7m45s (each step gets what is left):
 #  1. environment: GPUs, driver, Python, torch / CUDA / Triton / transformers versions;
 #  2. packages: installs only what is missing or too old for baton (grpcio-health-checking,
-#     grpcio-reflection, gguf, xxhash; grpcio / protobuf if older than the protos need)
+#     grpcio-reflection, gguf, xxhash; grpcio / protobuf if older than the protos need;
+#     the gateway's starlette, uvicorn, OpenTelemetry API/SDK)
 #     from the wheels in .gpu_carry/wheels (benchmarks/gpu_pack.sh), never from a
 #     registry, into a private directory on PYTHONPATH;
 #  3. model: puts the bundled SmolLM2 GGUF together from .gpu_carry/part*/ (and parts an
@@ -140,6 +141,12 @@ REQUIRED = {
     "grpcio-reflection": ("grpc_reflection", (1, 85, 1)),
     "gguf": ("gguf", (0, 10, 0)),
     "xxhash": ("xxhash", (3, 4, 0)),
+    # The gateway's HTTP API and traces (imported whenever a gateway starts).
+    "starlette": ("starlette", (1, 0, 0)),
+    "uvicorn": ("uvicorn", (0, 50, 0)),
+    "opentelemetry-api": ("opentelemetry", (1, 45, 0)),
+    "opentelemetry-sdk": ("opentelemetry", (1, 45, 0)),
+    "opentelemetry-semantic-conventions": ("opentelemetry", (0, 50, 0)),
 }
 
 def version(dist):

@@ -8,8 +8,9 @@
 # It writes
 #   .gpu_carry/wheels/  the packages gpu_check.sh may need to add to a stock
 #                       PyTorch + Triton + transformers image (CPython 3.12, x86-64):
-#                       grpcio-health-checking, grpcio-reflection, gguf, xxhash, and the
-#                       grpcio / protobuf versions baton's generated protos need;
+#                       grpcio-health-checking, grpcio-reflection, gguf, xxhash, the
+#                       grpcio / protobuf versions baton's generated protos need, and
+#                       the gateway's starlette, uvicorn and OpenTelemetry API/SDK;
 #   .gpu_carry/part0/,  the bundled SmolLM2 GGUF (98 MB) cut in two, each part with the
 #   .gpu_carry/part1/   checksums of all parts and of the whole file: one run of the
 #                       device tool carries at most 64 MiB, so the model travels in two.
@@ -19,7 +20,7 @@ PY=${PYTHON:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
 CARRY=.gpu_carry
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
-PART_BYTES=$((50 * 1024 * 1024))
+PART_BYTES=$((47 * 1024 * 1024))  # two even parts, each run under 64 MiB with the wheels
 
 rm -rf "$CARRY"
 mkdir -p "$CARRY/wheels" "$CARRY/part0" "$CARRY/part1"
@@ -27,7 +28,8 @@ mkdir -p "$CARRY/wheels" "$CARRY/part0" "$CARRY/part1"
 # Same versions as this environment, for the GPU machine's Python.
 version() { "$PY" -c "import importlib.metadata as m; print(m.version('$1'))"; }
 wheels=()
-for dist in grpcio-health-checking grpcio-reflection gguf xxhash protobuf grpcio; do
+for dist in grpcio-health-checking grpcio-reflection gguf xxhash protobuf grpcio starlette \
+    uvicorn opentelemetry-api opentelemetry-sdk opentelemetry-semantic-conventions; do
   wheels+=("$dist==$(version "$dist")")
 done
 "$PY" -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \

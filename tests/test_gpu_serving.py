@@ -13,9 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from gateway.client import BatonClient
 from gateway.launcher import ClusterSpec, LocalCluster
-from protos.baton.v1 import common_pb2
+from protos.client import AsyncClient, SamplingParams
 from tests.engine_helpers import compare_greedy, hf_greedy, hf_model
 
 pytestmark = [
@@ -27,9 +26,9 @@ NEW_TOKENS = 8
 STREAMS = 8
 
 
-async def _tokens(client: BatonClient, prompt: list[int]) -> list[int]:
+async def _tokens(client: AsyncClient, prompt: list[int]) -> list[int]:
     out: list[int] = []
-    sampling = common_pb2.SamplingParameters(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    sampling = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     async for r in client.generate(token_ids=prompt, sampling=sampling, timeout=120):
         out.extend(r.token_ids)
     return out
@@ -51,7 +50,7 @@ def test_gpu_serving_is_greedy_equal_to_hf(tiny_llama: Path, mode: str, transpor
     )
 
     async def run(address: str) -> list[list[int]]:
-        async with BatonClient(address) as client:
+        async with AsyncClient(address) as client:
             return await asyncio.gather(*[_tokens(client, p) for p in prompts])
 
     with LocalCluster(spec) as cluster:
