@@ -22,9 +22,16 @@ logger = logging.getLogger(__name__)
 
 
 class KVInbox:
-    def __init__(self, kind: str, address: str, transfer: TransferConfig | None = None):
+    def __init__(
+        self,
+        kind: str,
+        address: str,
+        transfer: TransferConfig | None = None,
+        device: str = "cpu",
+    ):
         self.kind = kind
         self.address = address
+        self.device = device  # the engine's device: the pool must live where it computes
         self.transfer = transfer
         self.receiver: KVReceiver | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -44,6 +51,7 @@ class KVInbox:
             address=self.address,
             config=self.transfer,
             notify=self._notify,
+            device=self.device,
         )
         logger.info(
             "KV inbox: %s endpoint %s incarnation %s",

@@ -51,7 +51,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             # transport_address is a store address for gloo/nccl; shm and cuda_ipc segments
             # get a fresh random name, so any number of workers can share a host.
             address = cfg.transport_address if cfg.transport in ("gloo", "nccl") else ""
-            self.inbox = KVInbox(cfg.transport, address)
+            self.inbox = KVInbox(cfg.transport, address, device=cfg.engine.device)
         self.channels = ChannelCache()
         self.engine: AsyncEngine | None = None
         self.handoff: DecodeHandoff | None = None

@@ -148,6 +148,8 @@ class EngineConfig:
     seed: int = 0
     num_threads: int = 0  # 0: leave torch's default
     cache_dir: str | None = None
+    # GPU: run every step eagerly instead of replaying CUDA graphs for decode steps.
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:

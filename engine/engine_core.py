@@ -15,6 +15,8 @@ import torch
 
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig, ModelConfig
+from engine.cuda_runner import CudaModelRunner
+from engine.device import resolve_device
 from engine.kv_layout import KVLayout
 from engine.model_files import ModelFiles, read_hf_config, resolve_model
 from engine.model_runner import ModelRunner
@@ -57,7 +59,8 @@ class EngineCore:
         )
         num_blocks = cfg.num_blocks or max(2, cfg.kv_cache_bytes // self.layout.block_bytes)
         pool_tensor = kv_pool_factory(self.layout, num_blocks) if kv_pool_factory else None
-        self.runner = ModelRunner(
+        on_gpu = resolve_device(cfg.device).type == "cuda"
+        self.runner = (CudaModelRunner if on_gpu else ModelRunner)(
             cfg,
             mc,
             self.files.path,

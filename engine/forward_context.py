@@ -25,6 +25,17 @@ class PrefillSeq:
 
 
 @dataclass(slots=True)
+class PackedPrefills:
+    """The prefill chunks of a step as tensors, for kernels that take all of them at once."""
+
+    q_start: torch.Tensor  # [P] int32: row of each chunk's first token in the flat batch
+    q_len: torch.Tensor  # [P] int32
+    ctx_start: torch.Tensor  # [P] int32: tokens cached before the chunk
+    block_tables: torch.Tensor  # [P, max blocks] int32, 0-padded
+    max_q_len: int
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     # Flat cache slot (block * block_size + offset) of every token of the batch.
     slot_mapping: torch.Tensor
@@ -40,6 +51,10 @@ class AttentionMetadata:
     # ``decode_mask`` narrowed to a sliding window, per window size; filled lazily by the
     # first windowed layer of a step (plain-torch path only).
     decode_window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    # GPU steps: the prefills packed once for the Triton kernel (derived from ``prefills``
+    # when absent), and how many pieces each decode row's context is split into.
+    packed_prefills: PackedPrefills | None = None
+    decode_splits: int = 1
 
 
 @dataclass(slots=True)

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig, ModelConfig
+from engine.device import build_on, resolve_device
 from engine.forward_context import AttentionMetadata, ForwardContext, PrefillSeq, forward_context
 from engine.kv_layout import KVLayout
 from engine.models.llama import LlamaForCausalLM
@@ -51,7 +52,7 @@ class ModelRunner:
     ):
         self.cfg = cfg
         self.model_cfg = model_cfg
-        self.device = torch.device(cfg.device)
+        self.device = resolve_device(cfg.device)
         self.dtype = DTYPES[cfg.dtype]
         self.block_size = cfg.block_size
         self.layout = KVLayout(
@@ -62,17 +63,22 @@ class ModelRunner:
             dtype=cfg.dtype,
         )
         torch.manual_seed(cfg.seed)
-        with torch.device(self.device):
+        with build_on(self.device, self.dtype):
             model = LlamaForCausalLM(model_cfg)
         model.load_weights(iter_safetensors(checkpoint, show_progress=show_progress))
+        # Parameters already are in dtype; this casts the fp32 rope tables, as HF does.
         self.model = model.to(self.dtype).eval()
         shape = self.layout.pool_shape(num_blocks)
         if kv_pool is None:
             kv_pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        if tuple(kv_pool.shape) != shape or kv_pool.dtype != self.dtype:
+        if (
+            tuple(kv_pool.shape) != shape
+            or kv_pool.dtype != self.dtype
+            or kv_pool.device != self.device
+        ):
             raise ValueError(
-                f"kv_pool has shape {tuple(kv_pool.shape)} {kv_pool.dtype}; "
-                f"expected {shape} {self.dtype}"
+                f"kv_pool has shape {tuple(kv_pool.shape)} {kv_pool.dtype} on {kv_pool.device}; "
+                f"expected {shape} {self.dtype} on {self.device}"
             )
         self.kv_cache = kv_pool
         self.sampler = Sampler(self.device, cfg.seed)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import EngineConfig
+from engine.transfer.base import check_transport_device
 
 ROLES = ("prefill", "decode", "both")
 TRANSPORTS = ("shm", "gloo", "cuda_ipc", "nccl")
@@ -52,6 +53,8 @@ class WorkerConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
+        if self.role != "both":  # a single-process worker moves no KV
+            check_transport_device(self.transport, self.engine.device)
 
     @classmethod
     def from_args(cls, role: str, argv: Sequence[str], env: Mapping[str, str]) -> WorkerConfig:
@@ -109,6 +112,7 @@ _FIELDS: dict[str, tuple[Callable[[str], Any], str]] = {
     "seed": (int, "engine"),
     "num_threads": (int, "engine"),
     "cache_dir": (str, "engine"),
+    "enforce_eager": (_bool, "engine"),
     "host": (str, "worker"),
     "port": (int, "worker"),
     "port_file": (Path, "worker"),
@@ -134,6 +138,7 @@ _HELP = {
     "seed": "seed of unseeded sampling",
     "num_threads": "torch compute threads; 0: torch's default",
     "cache_dir": "where converted GGUF checkpoints are cached",
+    "enforce_eager": "GPU: no CUDA graphs, every step runs eagerly (true/false)",
     "host": "interface to listen on",
     "port": "port to listen on; 0 picks a free one",
     "port_file": "write the bound port to this file",

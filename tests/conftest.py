@@ -5,11 +5,17 @@ Builders live in ``tests/factories.py``; fixtures here only cache their results.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+
+# Triton kernels run on CPU tensors only under Triton's interpreter, chosen when a kernel
+# is defined: set it before any test module imports one.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from engine.model_files import ModelFiles, resolve_model
 from gateway.served_model import ServedModel, locate_model, read_model_card
@@ -22,7 +28,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     skip = pytest.mark.skip(reason="needs CUDA")
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
 
 

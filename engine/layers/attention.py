@@ -18,9 +18,16 @@ multi-token queries.
 A layer with a sliding window of W tokens lets a query at position i see positions
 (i - W, i] only (HF's ``sliding_window``); both backends apply it. Blocks outside the
 window stay allocated: the window changes what is read, not what is kept.
+
+On CUDA tensors the Triton kernels (``engine.layers.triton_attention``) take the whole
+step instead, when Triton imports.
 """
 
 from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +37,18 @@ from engine.forward_context import AttentionMetadata, ForwardContext, get_forwar
 from engine.kernels.cpu import cpu_kernels
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def triton_attention_backend() -> Callable[..., torch.Tensor] | None:
+    """The Triton backend, or None (warned once) where Triton does not import."""
+    try:
+        from engine.layers.triton_attention import triton_attention
+    except ImportError as exc:
+        logger.warning("Triton is unavailable (%s); attention runs the plain-torch path", exc)
+        return None
+    return triton_attention
 
 
 def decode_attention_backend() -> str:
@@ -92,10 +111,19 @@ class PagedAttention(nn.Module):
         fits_kernel = head_dim % 16 == 0 and head_dim <= 256 and self.group <= 16
         # Plain attribute, so a benchmark or test can pin the torch path per layer.
         self.use_kernel = fits_kernel and decode_attention_backend() == "cpu-kernel"
+        # Triton kernels: None for CUDA tensors, True for any (CPU ones under
+        # TRITON_INTERPRET=1, in tests), False never.
+        self.use_triton: bool | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D] for the batch's new tokens. Returns [T, H*D]."""
         ctx = get_forward_context()
+        if self.use_triton or (self.use_triton is None and q.is_cuda):
+            triton_attention = triton_attention_backend()
+            if triton_attention is not None:
+                return triton_attention(
+                    q, k, v, ctx, self.layer_idx, self.scale, self.sliding_window
+                )
         if (
             self.use_kernel
             and q.is_cpu

@@ -23,10 +23,27 @@ if TYPE_CHECKING:
     import torch
 
 TRANSPORT_KINDS = ("shm", "gloo", "cuda_ipc", "nccl")
+# Where each transport keeps and moves KV: the device type its pools must live on.
+TRANSPORT_DEVICE_TYPES = {"shm": "cpu", "gloo": "cpu", "cuda_ipc": "cuda", "nccl": "cuda"}
 
 # Called on a transport worker thread right after a completion is queued, so an asyncio
 # loop can be woken (``loop.call_soon_threadsafe``). It must not block.
 Notify = Callable[[], None]
+
+
+def check_transport_device(kind: str, device: str) -> None:
+    """Refuse a transport that cannot move KV living on ``device`` (``cpu`` / ``cuda[:N]``):
+    raises ValueError naming both and the transports that would fit."""
+    if kind not in TRANSPORT_DEVICE_TYPES:
+        raise ValueError(f"transport must be one of {list(TRANSPORT_KINDS)}, got {kind!r}")
+    have = device.partition(":")[0]
+    want = TRANSPORT_DEVICE_TYPES[kind]
+    if have != want:
+        fits = [k for k, t in TRANSPORT_DEVICE_TYPES.items() if t == have]
+        raise ValueError(
+            f"transport {kind!r} moves KV between {want.upper()} pools, but device is "
+            f"{device!r}; with that device use transport {' or '.join(fits) or '(none)'}"
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,12 +1,17 @@
 """The ``cuda_ipc`` transport: decode exports its GPU KV pool; prefill on the same host
 writes into it on a dedicated stream. The GPU twin of ``shm``.
 
-The pool is one CUDA allocation exported with a CUDA IPC handle, carried (encoded) in
-the endpoint. The lease tables stay in a small CPU shared-memory segment, with the shm
-protocol unchanged: a sender keeps its claim until its copies have completed on the
-device (``event.synchronize()`` on the worker), so a revoked lease is never written.
-CUDA cannot open an IPC handle in the process that exported it: sender and receiver
-must be different processes.
+The pool is one CUDA allocation on the decode worker's device, exported with a CUDA
+IPC handle carried (encoded) in the endpoint. The lease tables stay in a small CPU
+shared-memory segment, with the shm protocol unchanged: a sender keeps its claim until
+its copies have completed on the device (``event.synchronize()`` on the worker), so a
+revoked lease is never written. CUDA cannot open an IPC handle in the process that
+exported it: sender and receiver must be different processes.
+
+Copies run on the sender's transfer streams, after the fence recorded when the job was
+submitted (``cuda_stream``), never behind the prefill engine's later kernels; the
+receiver's verify checksum runs on its own transfer stream, never behind decode
+kernels.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
 from engine.errors import UnavailableError
 from engine.kv_layout import KVLayout
-from engine.transfer.base import KVEndpoint, TransferConfig
+from engine.transfer.base import KVEndpoint, Notify, SendJob, TransferConfig
 from engine.transfer.block_copy import (
     BlockIndex,
     KVChecksum,
@@ -29,6 +34,9 @@ from engine.transfer.block_copy import (
     scatter,
     torch_dtype,
 )
+from engine.transfer.cuda_stream import FenceBook, TransferStream
+from engine.transfer.lease_receiver import Lease
+from engine.transfer.queued_sender import StopCheck
 from engine.transfer.shm import ShmLink, ShmReceiver, ShmSegment, ShmSender
 
 _FIXED = struct.Struct("<qqqq?")  # device, size bytes, offset bytes, ref-counter offset, sync
@@ -97,15 +105,23 @@ class CudaIpcReceiver(ShmReceiver):
         pool = torch.zeros(self.layout.pool_shape(self.num_blocks),
                            dtype=torch_dtype(self.layout), device=device)
         torch.cuda.synchronize(device)  # the exported memory must be initialised
+        self._transfer = TransferStream(device)
         return pool, export_pool(pool).to_bytes()
+
+    def _check(self, lease: Lease):  # noqa: ANN202 - as LeaseReceiver._check
+        with self._transfer.active():  # the verify gather must not wait for decode kernels
+            return super()._check(lease)
 
 
 class CudaIpcLink(ShmLink):
     """Copies on a dedicated stream of the source GPU (and of the pool's GPU if different)."""
 
     def __init__(self, segment: ShmSegment, pool: torch.Tensor, kv: torch.Tensor,
-                 layout: KVLayout, config: TransferConfig, writer: int, name: str) -> None:
+                 layout: KVLayout, config: TransferConfig, writer: int, name: str,
+                 fences: FenceBook) -> None:
         super().__init__(segment, pool, kv, layout, config, writer, name)
+        self._fences = fences
+        self._fence: torch.cuda.Event | None = None
         self._src_stream = torch.cuda.Stream(kv.device)
         same = pool.device == kv.device
         self._dst_stream = self._src_stream if same else torch.cuda.Stream(pool.device)
@@ -114,15 +130,23 @@ class CudaIpcLink(ShmLink):
         self._landed: list[torch.cuda.Event | None] = [None, None]
         self._last: torch.cuda.Event | None = None
 
+    def send(self, job: SendJob, stop: StopCheck) -> tuple[int, int]:
+        self._fence = self._fences.take(job.request_id)
+        # Index uploads and checksum reads happen on the transfer streams too: each block
+        # index is made on first use, inside the stream that uses it.
+        with torch.cuda.device(self._kv.device), torch.cuda.stream(self._src_stream):
+            return super().send(job, stop)
+
     def _copy_group(self, group: int, lo: int, hi: int, src: BlockIndex, dst: BlockIndex,
                     checksum: KVChecksum) -> int:
         slot = group % 2
         staging = self._buffers[slot].typed(0, group_shape(self._layout, lo, hi, len(src)),
                                             self._kv.dtype)
-        if group == 0:
-            # Order after the index uploads (and anything else) this thread issued.
-            self._src_stream.wait_stream(torch.cuda.current_stream(self._kv.device))
-            self._dst_stream.wait_stream(torch.cuda.current_stream(self._pool.device))
+        if group == 0 and self._fence is not None:
+            # The source blocks are final once the compute issued before the submit ran;
+            # later prefill kernels are no reason to wait.
+            self._src_stream.wait_event(self._fence)
+            self._fence = None
         with torch.cuda.stream(self._src_stream):
             landed = self._landed[slot]
             if landed is not None:
@@ -155,6 +179,28 @@ class CudaIpcSender(ShmSender):
     kind = "cuda_ipc"
     pool_in_segment = False
 
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        layout: KVLayout,
+        config: TransferConfig | None = None,
+        notify: Notify | None = None,
+    ) -> None:
+        self._fences = FenceBook(TransferStream(kv_cache.device))
+        super().__init__(kv_cache, layout, config, notify)
+
+    def submit(self, job: SendJob) -> None:
+        self._fences.record(job.request_id)
+        try:
+            super().submit(job)
+        except BaseException:
+            self._fences.take(job.request_id)
+            raise
+
+    def cancel(self, request_id: str) -> None:
+        super().cancel(request_id)
+        self._fences.take(request_id)
+
     def _make_link(self, segment: ShmSegment, endpoint: KVEndpoint) -> ShmLink:
         if self.kv_cache.device.type != "cuda":
             raise UnavailableError(f"cuda_ipc sender needs a GPU KV cache, has "
@@ -166,4 +212,4 @@ class CudaIpcSender(ShmSender):
             raise UnavailableError(f"cannot open the CUDA IPC pool of receiver "
                                    f"{endpoint.incarnation}: {exc}") from exc
         return CudaIpcLink(segment, pool, self.kv_cache, self.layout, self.config,
-                           self._writer_lock.id, endpoint.address)
+                           self._writer_lock.id, endpoint.address, self._fences)

@@ -4,20 +4,34 @@ from __future__ import annotations
 
 import torch
 
+from engine.device import resolve_device
 from engine.kv_layout import KVLayout
-from engine.transfer.base import TRANSPORT_KINDS, KVReceiver, KVSender, Notify, TransferConfig
+from engine.transfer.base import (
+    TRANSPORT_DEVICE_TYPES,
+    TRANSPORT_KINDS,
+    KVReceiver,
+    KVSender,
+    Notify,
+    TransferConfig,
+    check_transport_device,
+)
 from engine.transfer.cuda_ipc import CudaIpcReceiver, CudaIpcSender
 from engine.transfer.gloo import GlooReceiver, GlooSender
 from engine.transfer.nccl import NcclReceiver, NcclSender
 from engine.transfer.shm import ShmReceiver, ShmSender
 
 _SENDERS: dict[str, type[KVSender]] = {
-    "shm": ShmSender, "gloo": GlooSender, "cuda_ipc": CudaIpcSender, "nccl": NcclSender,
+    "shm": ShmSender,
+    "gloo": GlooSender,
+    "cuda_ipc": CudaIpcSender,
+    "nccl": NcclSender,
 }
 _RECEIVERS = {
-    "shm": ShmReceiver, "gloo": GlooReceiver, "cuda_ipc": CudaIpcReceiver, "nccl": NcclReceiver,
+    "shm": ShmReceiver,
+    "gloo": GlooReceiver,
+    "cuda_ipc": CudaIpcReceiver,
+    "nccl": NcclReceiver,
 }
-_DEFAULT_DEVICES = {"shm": "cpu", "gloo": "cpu", "cuda_ipc": "cuda", "nccl": "cuda"}
 _DEFAULT_ADDRESSES = {"shm": "", "gloo": "127.0.0.1:0", "cuda_ipc": "", "nccl": "127.0.0.1:0"}
 
 
@@ -35,6 +49,7 @@ def make_sender(
 ) -> KVSender:
     """A sender reading source blocks from ``kv_cache`` (the prefill engine's pool)."""
     _check_kind(kind)
+    check_transport_device(kind, str(kv_cache.device))
     return _SENDERS[kind](kv_cache, layout, config, notify)  # type: ignore[call-arg]
 
 
@@ -49,11 +64,16 @@ def make_receiver(
 ) -> KVReceiver:
     """A receiver that allocates a ``num_blocks`` pool. ``address``: shm / cuda_ipc, the
     segment name (random if empty); gloo / nccl, "host:port" to serve the store on (port 0
-    picks one). ``device``: "cpu" for shm / gloo, a CUDA device for cuda_ipc / nccl."""
+    picks one). ``device``: "cpu" for shm / gloo, a CUDA device for cuda_ipc / nccl (a
+    bare "cuda" is the current device); the pool is allocated there and nowhere else."""
     _check_kind(kind)
+    resolved = resolve_device(TRANSPORT_DEVICE_TYPES[kind] if device is None else device)
+    check_transport_device(kind, str(resolved))
     return _RECEIVERS[kind](
-        layout, num_blocks,
+        layout,
+        num_blocks,
         address=_DEFAULT_ADDRESSES[kind] if address is None else address,
-        config=config, notify=notify,
-        device=_DEFAULT_DEVICES[kind] if device is None else device,
+        config=config,
+        notify=notify,
+        device=str(resolved),
     )

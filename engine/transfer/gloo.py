@@ -7,7 +7,12 @@ so no global ``init_process_group`` is needed and peers start in any order. The 
 gathers a layer group into staging and sends it while gathering the next; the receiver
 receives into staging and scatters into the leased blocks, or drops the data when the
 lease has ended, so late data never reaches reallocated blocks. Control (hello, verdict,
-job headers) goes through the store; see ``store_protocol``.
+readiness, job headers) goes through the store; see ``store_protocol``. A link is used
+only after the receiver reports its side of the group built and proven by a handshake;
+every failure on the way is typed, and a failed pair never takes the receiver down.
+
+On a GPU (nccl) every copy, send and receive runs on the transport's own stream, after
+the fence of its hand-over (``cuda_stream``): never behind the engine's later kernels.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from engine.transfer.block_copy import (
     scatter,
     torch_dtype,
 )
+from engine.transfer.cuda_stream import FenceBook, TransferStream
 from engine.transfer.lease_receiver import Lease, LeaseReceiver
 from engine.transfer.pair_group import (
     RECEIVER_RANK,
@@ -55,6 +61,7 @@ from engine.transfer.pair_group import (
     link_error,
     local_address_towards,
     parse_address,
+    release_failed_group,
 )
 from engine.transfer.queued_sender import PeerLink, QueuedSender, StopCheck
 from engine.transfer.store_protocol import (
@@ -63,6 +70,7 @@ from engine.transfer.store_protocol import (
     KEY_HELLO_COUNT,
     KEY_INCARNATION,
     KEY_LAYOUT,
+    READY_OK,
     VERDICT_OK,
     Hello,
     JobHeader,
@@ -72,6 +80,7 @@ from engine.transfer.store_protocol import (
     job_key,
     message_tag,
     pair_prefix,
+    ready_key,
     verdict_key,
 )
 
@@ -113,6 +122,8 @@ class GlooReceiver(LeaseReceiver):
         self._kv = torch.zeros(layout.pool_shape(num_blocks), dtype=torch_dtype(layout),
                                device=device)
         self._host_kv = HostPool(self._kv) if self._kv.device.type == "cpu" else None
+        self._transfer = TransferStream(self._kv.device)
+        self._fences = FenceBook(self._transfer)  # per lease token: compute before the lease
         timeout = timedelta(seconds=self.config.connect_timeout_s)
         try:
             self._store = dist.TCPStore(host, port, None, True, timeout, wait_for_workers=False)
@@ -144,6 +155,12 @@ class GlooReceiver(LeaseReceiver):
 
     # -- lease hooks ------------------------------------------------------------------------
 
+    def _arm(self, lease: Lease) -> None:
+        self._fences.record(lease.token)
+
+    def _revoke(self, lease: Lease) -> None:
+        self._fences.take(lease.token)
+
     def _writers_idle(self, lease: Lease) -> bool:
         return not lease.busy
 
@@ -163,6 +180,10 @@ class GlooReceiver(LeaseReceiver):
                 logger.warning("%s receiver %s: pair %d thread did not stop", self.kind,
                                self.incarnation, pair.number)
         del self._store  # shuts the store server down
+
+    def _check(self, lease: Lease) -> BatonError | None:
+        with self._transfer.active():  # the verify gather must not wait for decode kernels
+            return super()._check(lease)
 
     def _client(self) -> dist.TCPStore:
         return client_store(self._host, self._port, self.config.connect_timeout_s)
@@ -240,13 +261,27 @@ class GlooReceiver(LeaseReceiver):
     def _pair_main(self, n: int, sender: str) -> None:
         prefix = pair_prefix(self.incarnation, sender, n)
         store = self._client()
+        pg = None
         try:
-            pg = self.pair_group.make(store, f"{prefix}/pg", RECEIVER_RANK, self._host,
-                                      self.config.connect_timeout_s)
-        except RuntimeError as exc:
-            logger.warning("%s receiver %s: sender %s never joined pair %d: %s", self.kind,
-                           self.incarnation, sender, n, exc)
+            with self._transfer.active():
+                pg = self.pair_group.make(store, f"{prefix}/pg", RECEIVER_RANK, self._host,
+                                          self.config)
+                self.pair_group.handshake(pg, self.config.connect_timeout_s,
+                                          f"pair {n} with sender {sender}")
+        except Exception as exc:  # noqa: BLE001 - any failure only ends this pair, typed
+            logger.warning("%s receiver %s: pair %d with sender %s not built: %r", self.kind,
+                           self.incarnation, n, sender, exc)
+            # The reason first: the sender may see the group fail as soon as it is let go.
+            try:
+                store.set(ready_key(prefix), f"receiver {self.incarnation} could not build "
+                                             f"pair {n}: {exc!r}")
+            except RuntimeError as store_exc:  # the store is going: the sender times out
+                logger.warning("%s receiver %s: cannot report pair %d: %s", self.kind,
+                               self.incarnation, n, store_exc)
+            if pg is not None:
+                release_failed_group(pg, exc)
             return
+        store.set(ready_key(prefix), READY_OK)
         logger.info("%s receiver %s: sender %s connected (pair %d)", self.kind,
                     self.incarnation, sender, n)
         jobs = KeySeries(store, lambda seq: job_key(prefix, seq), 0)
@@ -264,7 +299,8 @@ class GlooReceiver(LeaseReceiver):
                 if header.seq != jobs.position - 1:
                     raise AbortedError(f"job header seq {header.seq} under key "
                                        f"{jobs.position - 1}")
-                self._receive(pg, header, staging)
+                with self._transfer.active():  # NCCL's receive orders after this stream
+                    self._receive(pg, header, staging)
         except (BatonError, ValueError) as exc:
             logger.warning("%s receiver %s: pair %d with sender %s closed: %s", self.kind,
                            self.incarnation, n, sender, exc)
@@ -278,6 +314,9 @@ class GlooReceiver(LeaseReceiver):
                  staging: tuple[Staging, Staging]) -> None:
         rid = header.request_id
         lease = self._claim(header)
+        if lease is not None:
+            # Scatters wait for the compute issued before the lease, and nothing later.
+            self._transfer.after(self._fences.take(lease.token))
         n = len(header.block_ids)
         index = BlockIndex(header.block_ids, self._kv.device)
         groups = layer_groups(self.layout.num_layers, header.layers_per_group)
@@ -287,7 +326,10 @@ class GlooReceiver(LeaseReceiver):
             lo, hi = groups[g]
             nbytes = GROUP_HEADER_BYTES + group_nbytes(self.layout, lo, hi, n)
             message = staging[g % 2].bytes(nbytes)
-            return message, pg.recv([message], SENDER_RANK, tag)
+            try:
+                return message, pg.recv([message], SENDER_RANK, tag)
+            except RuntimeError as exc:  # the peer is gone before the receive even started
+                raise link_error(exc, f"request {rid}: receiving layer group {g}") from exc
 
         try:
             message, work = post(0)
@@ -309,6 +351,7 @@ class GlooReceiver(LeaseReceiver):
                     try:
                         self._write(current[GROUP_HEADER_BYTES:], lo, hi, index)
                     finally:
+                        self._transfer.drain()  # not idle until the scatter has run
                         self._end_write(lease)
                 else:
                     lease = None  # ended meanwhile: keep draining the wire, write nothing
@@ -372,9 +415,12 @@ class GlooLink(PeerLink):
 
     def __init__(self, store: dist.TCPStore, pg: dist.ProcessGroup, prefix: str,
                  incarnation: str, kv: torch.Tensor, layout: KVLayout, config: TransferConfig,
-                 pair_group: PairGroup, address: str) -> None:
+                 pair_group: PairGroup, address: str, transfer: TransferStream,
+                 fences: FenceBook) -> None:
         self.incarnation = incarnation
         self._address = address
+        self._transfer = transfer
+        self._fences = fences
         self._store: dist.TCPStore | None = store
         self._pg: dist.ProcessGroup | None = pg
         self._prefix = prefix
@@ -387,6 +433,11 @@ class GlooLink(PeerLink):
         self._host_kv = HostPool(kv) if kv.device.type == "cpu" else None
 
     def send(self, job: SendJob, stop: StopCheck) -> tuple[int, int]:
+        with self._transfer.active():  # gathers and NCCL sends off the compute stream
+            self._transfer.after(self._fences.take(job.request_id))
+            return self._send(job, stop)
+
+    def _send(self, job: SendJob, stop: StopCheck) -> tuple[int, int]:
         assert self._pg is not None and self._store is not None
         pg = self._pg
         desc = job.descriptor
@@ -437,7 +488,11 @@ class GlooLink(PeerLink):
                     gather(self._kv, lo, hi, src, staged)
                     checksum.update(staged)
                 nbytes += size
-            inflight.append(pg.send([message], RECEIVER_RANK, tag))
+            try:
+                inflight.append(pg.send([message], RECEIVER_RANK, tag))
+            except RuntimeError as exc:  # the peer is gone before the send even started
+                self.broken = True
+                raise link_error(exc, f"request {job.request_id}: sending") from exc
             if stopped is not None:
                 break  # the abort message ends the job on the wire
         while inflight:
@@ -469,6 +524,29 @@ class GlooSender(QueuedSender):
 
     kind = "gloo"
     pair_group: PairGroup = PairGroup()
+
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        layout: KVLayout,
+        config: TransferConfig | None = None,
+        notify: Notify | None = None,
+    ) -> None:
+        self._transfer = TransferStream(kv_cache.device)
+        self._fences = FenceBook(self._transfer)  # per request: compute before its submit
+        super().__init__(kv_cache, layout, config, notify)
+
+    def submit(self, job: SendJob) -> None:
+        self._fences.record(job.request_id)
+        try:
+            super().submit(job)
+        except BaseException:
+            self._fences.take(job.request_id)
+            raise
+
+    def cancel(self, request_id: str) -> None:
+        super().cancel(request_id)
+        self._fences.take(request_id)
 
     def _connect(self, endpoint: KVEndpoint, deadline: float) -> PeerLink:
         host, port = parse_address(endpoint.address)
@@ -508,9 +586,37 @@ class GlooSender(QueuedSender):
         if verdict != VERDICT_OK:
             raise LayoutMismatchError(verdict)
         prefix = pair_prefix(live, self.incarnation, n)
-        pg = self.pair_group.make(store, f"{prefix}/pg", SENDER_RANK,
-                                  local_address_towards(host), self.config.connect_timeout_s)
+        ready = ready_key(prefix)
+
+        def refused() -> str | None:
+            if not store.check([ready]):
+                return None
+            answer = store.get(ready).decode()
+            return None if answer == READY_OK else answer
+
+        what = f"pair {n} with receiver {live}"
+        budget = max(min(self.config.connect_timeout_s, deadline - time.monotonic()), 0.001)
+        pg = None
+        try:
+            with self._transfer.active():
+                pg = self.pair_group.make(store, f"{prefix}/pg", SENDER_RANK,
+                                          local_address_towards(host), self.config)
+                self.pair_group.handshake(pg, budget, what, refused)
+            store.wait([ready], timedelta(seconds=budget))
+        except Exception as exc:
+            if pg is not None:
+                release_failed_group(pg, exc)
+                pg = None
+            if isinstance(exc, BatonError):
+                raise
+            reason = refused()  # whatever broke the group, typed
+            raise UnavailableError(f"{what}: {reason or repr(exc)}") from exc
+        answer = store.get(ready).decode()
+        store.delete_key(ready)
+        if answer != READY_OK:
+            release_failed_group(pg, UnavailableError(answer))
+            raise UnavailableError(f"{what}: {answer}")
         logger.info("%s sender %s: joined receiver %s at %s (pair %d)", self.kind,
                     self.incarnation, live, endpoint.address, n)
         return GlooLink(store, pg, prefix, live, self.kv_cache, self.layout, self.config,
-                        self.pair_group, endpoint.address)
+                        self.pair_group, endpoint.address, self._transfer, self._fences)

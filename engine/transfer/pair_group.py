@@ -7,15 +7,19 @@ and can be interrupted. No lease or job logic lives here.
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
+import time
+import traceback
 from collections.abc import Callable
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from engine.errors import BatonError, DeadlineExceededError, UnavailableError
+from engine.errors import AbortedError, BatonError, DeadlineExceededError, UnavailableError
+from engine.transfer.base import TransferConfig
 from engine.transfer.store_protocol import GROUP_HEADER_BYTES
 
 # An idle key wait sleeps this long before it re-checks for an abandoned hello; it is
@@ -23,6 +27,15 @@ from engine.transfer.store_protocol import GROUP_HEADER_BYTES
 _IDLE_WAIT = timedelta(minutes=5)
 _SENTINEL = b"\x00baton-stop"
 RECEIVER_RANK, SENDER_RANK = 0, 1
+_HANDSHAKE_POLL_S = 0.005
+logger = logging.getLogger(__name__)
+
+
+def group_timeout_s(config: TransferConfig) -> float:
+    """The process group's own operation timeout: longer than any wait of ours (a stall or
+    a connect), so our deadline, which ends the pair, always fires before the backend's
+    watchdog does."""
+    return config.stall_timeout_s + config.connect_timeout_s
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -43,6 +56,31 @@ def client_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
     return dist.TCPStore(host, port, None, False, timedelta(seconds=timeout_s))
 
 
+def abort_group(pg: dist.ProcessGroup) -> None:
+    """End a pair group's pending operations now; a failure to do so is logged only."""
+    try:
+        pg.abort()
+    except RuntimeError as exc:
+        logger.warning("aborting a pair group failed: %s", exc)
+
+
+def release_failed_group(pg: dist.ProcessGroup, exc: BaseException) -> None:
+    """Let go of a group whose setup failed without blocking the caller.
+
+    A group dropped (or aborted) with an operation pending blocks whoever drops it until
+    that operation times out, and an exception carries its frames far, to the event
+    loop included. So ``exc``'s frames let go of their locals, and a short-lived daemon
+    thread aborts and drops the group; it ends within the group's timeout.
+    """
+    traceback.clear_frames(exc.__traceback__)
+    reaper = threading.Thread(target=_reap, args=(pg,), name="baton-pair-reaper", daemon=True)
+    reaper.start()
+
+
+def _reap(pg: dist.ProcessGroup) -> None:
+    abort_group(pg)
+
+
 def link_error(exc: Exception, what: str) -> BatonError:
     """Map a process-group failure to the typed error it means."""
     if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
@@ -60,14 +98,41 @@ class PairGroup:
     device = torch.device("cpu")  # where staging buffers and the pool live
 
     def make(self, store: dist.Store, prefix: str, rank: int, hostname: str,
-             timeout_s: float) -> dist.ProcessGroup:
-        """Build this side of the group under ``prefix``. Blocks until the other rank
-        joins; raises ``RuntimeError`` after ``timeout_s``. ``hostname``: the local
-        address the peer can reach us on."""
+             config: TransferConfig) -> dist.ProcessGroup:
+        """Build this side of the group under ``prefix``; ``hostname``: the local address
+        the peer can reach us on. Gloo blocks until the other rank joins and raises
+        ``RuntimeError`` after the connect timeout (its ops get explicit timeouts)."""
         options = dist.ProcessGroupGloo._Options()
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=hostname)]
-        options._timeout = timedelta(seconds=timeout_s)
+        options._timeout = timedelta(seconds=config.connect_timeout_s)
         return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, 2, options)
+
+    def handshake(self, pg: dist.ProcessGroup, timeout_s: float, what: str,
+                  give_up: Callable[[], str | None] | None = None) -> None:
+        """One all-reduce of a single element over the new group: returns once both sides'
+        group exists and works (NCCL creates its communicator here, not at the first
+        transfer). ``give_up`` is polled meanwhile; a reason from it, an expired
+        ``timeout_s`` or a failed operation raise a typed ``BatonError``."""
+        probe = torch.ones(1, device=self.device)
+        work = pg.allreduce([probe])
+        deadline = time.monotonic() + timeout_s
+        while not work.is_completed():
+            reason = give_up() if give_up is not None else None
+            if reason is not None:
+                raise UnavailableError(f"{what}: {reason}")
+            if time.monotonic() > deadline:
+                raise DeadlineExceededError(f"{what}: the pair group did not form within "
+                                            f"{timeout_s:.1f} s")
+            time.sleep(_HANDSHAKE_POLL_S)
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            reason = give_up() if give_up is not None else None
+            if reason is not None:  # the peer's own account beats "connection closed"
+                raise UnavailableError(f"{what}: {reason}") from exc
+            raise link_error(exc, what) from exc
+        if int(probe.item()) != 2:
+            raise AbortedError(f"{what}: handshake summed to {probe.item()}, expected 2")
 
     def wait(self, work: dist.Work, pg: dist.ProcessGroup, timeout_s: float, what: str) -> None:
         """Block until ``work`` is done. Raises ``DeadlineExceededError`` after ``timeout_s``

@@ -3,9 +3,11 @@
 Control travels through the receiver's TCPStore, data through a 2-rank process group.
 A sender says hello (its incarnation and layout); the receiver answers with a verdict
 and both build a pair group under a prefix naming both incarnations and the hello
-number. Each job is announced by a ``JobHeader`` under ``job/<seq>``; its layer groups
-follow on the group, each message prefixed by ``GROUP_HEADER_BYTES`` (seq, group index,
-flags, payload bytes) so that a message can never be taken for another job's.
+number, prove it with one all-reduce, and the receiver then says whether its side of
+the group exists (``ready_key``): a link is usable only after that second answer.
+Each job is announced by a ``JobHeader`` under ``job/<seq>``; its layer groups follow
+on the group, each message prefixed by ``GROUP_HEADER_BYTES`` (seq, group index, flags,
+payload bytes) so that a message can never be taken for another job's.
 Torch-free; fixed binary encodings, never pickles.
 """
 
@@ -20,6 +22,7 @@ KEY_INCARNATION = "baton/incarnation"
 KEY_LAYOUT = "baton/layout"
 KEY_HELLO_COUNT = "baton/hello_count"
 VERDICT_OK = "ok"
+READY_OK = "ready"
 GROUP_HEADER_WORDS = 4  # int64: seq, group, flags, payload bytes
 GROUP_HEADER_BYTES = 8 * GROUP_HEADER_WORDS
 FLAG_ABORT = 1  # the sender stopped this job; the payload is meaningless and no group follows
@@ -37,6 +40,10 @@ def verdict_key(n: int) -> str:
 
 def pair_prefix(receiver_incarnation: str, sender_incarnation: str, n: int) -> str:
     return f"baton/pair/{receiver_incarnation}/{sender_incarnation}/{n}"
+
+
+def ready_key(prefix: str) -> str:
+    return f"{prefix}/ready"
 
 
 def job_key(prefix: str, seq: int) -> str:
