@@ -84,6 +84,10 @@ class Scheduler:
         self.held: dict[str, list[int]] = {}  # finished, blocks kept for a transfer
         self._step_id = 0
         self.num_preemptions = 0
+        # Since start: prompt tokens of admitted requests (run here or reserved for KV from
+        # a prefill worker) and tokens sampled; the metrics' prompt / generation counters.
+        self.num_prompt_tokens_total = 0
+        self.num_generated_tokens_total = 0
 
     # -- intake -----------------------------------------------------------------------
 
@@ -109,6 +113,7 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         self.requests[req.request_id] = req
         self.waiting.append(req)
+        self.num_prompt_tokens_total += req.num_prompt_tokens
 
     def reserve_remote(self, req: Request) -> list[int]:
         """Allocate blocks for ``req``'s prompt, to be filled by a prefill worker.
@@ -132,6 +137,7 @@ class Scheduler:
         req.status = RequestStatus.WAITING_FOR_KV
         self.requests[req.request_id] = req
         self.remote[req.request_id] = req
+        self.num_prompt_tokens_total += req.num_prompt_tokens
         return blocks
 
     def remote_kv_ready(self, request_id: str, first_token: int) -> RequestOutput | None:
@@ -297,6 +303,7 @@ class Scheduler:
                 continue
             req.num_pending_tokens -= 1
             req.all_token_ids.append(tok.token_id)
+            self.num_generated_tokens_total += 1
             if req.num_computed_tokens >= confirmed:
                 self._register_full_blocks(req, confirmed)
             reason = self._stop_reason(req, tok.token_id)

@@ -10,9 +10,12 @@ import asyncio
 import logging
 
 import grpc.aio
+from prometheus_client import CollectorRegistry
 
 from gateway.config import GatewayConfig
+from gateway.discovery import Resolver, system_resolver
 from gateway.dispatcher import Dispatcher
+from gateway.metrics import GatewayMetrics, WorkersCollector
 from gateway.router import Router
 from gateway.served_model import ServedModel, locate_model
 from gateway.servicer import BatonServicer
@@ -29,10 +32,18 @@ class Gateway:
     """One gateway instance. Build it on the loop that serves it; ``aclose`` it once done.
 
     ``model`` replaces the one named by the config (tests share one loaded tokenizer); the
-    gateway closes only a model it made itself.
+    gateway closes only a model it made itself. ``resolver`` looks up ``dns:///`` targets
+    (tests inject one). With a ``registry`` the gateway's metrics are registered on it.
     """
 
-    def __init__(self, config: GatewayConfig, model: ServedModel | None = None) -> None:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        model: ServedModel | None = None,
+        *,
+        resolver: Resolver = system_resolver,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
         self.config = config
         self.channels = ChannelCache()
         self._owns_model = model is None
@@ -43,11 +54,20 @@ class Gateway:
             config.decode,
             config.prefill,
             self.channels,
+            resolver=resolver,
             poll_interval_s=config.stats_interval_s,
             stats_timeout_s=config.stats_timeout_s,
+            down_after_s=config.worker_down_after_s,
+            resolve_interval_s=config.resolve_interval_s,
+            wait_for_worker_s=config.wait_for_worker_s,
         )
         self.dispatcher = Dispatcher(self.router, self.channels, max_retries=config.max_retries)
-        self.servicer = BatonServicer(self.model, self.dispatcher)
+        self.metrics = GatewayMetrics(registry) if registry is not None else None
+        if registry is not None:
+            registry.register(
+                WorkersCollector(lambda: ((w.kind.value, w.up) for w in self.router.workers))
+            )
+        self.servicer = BatonServicer(self.model, self.dispatcher, self.metrics)
 
     def spec(self) -> ServerSpec:
         return ServerSpec(
@@ -65,10 +85,10 @@ class Gateway:
         """Load the tokenizer and wait for a decode worker, side by side."""
         self.router.start()
         logger.info(
-            "gateway: loading %s; waiting for one of %d decode worker(s) (%s prefill)",
+            "gateway: loading %s; waiting for a decode worker of %s (prefill: %s)",
             self.model.source.name,
-            len(self.config.decode),
-            len(self.config.prefill) or "no",
+            ", ".join(self.config.decode),
+            ", ".join(self.config.prefill) or "none, single-process workers",
         )
         await asyncio.gather(self.model.load(), self.router.wait_ready())
 

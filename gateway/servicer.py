@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 import grpc.aio
 
 from gateway.dispatcher import DecodeJob, Dispatcher
+from gateway.metrics import GatewayMetrics
 from gateway.output_processor import GenerateDelta, OutputProcessor
 from gateway.served_model import ServedModel
 from gateway.validation import GenerateInput, check_prompt_length, validate_generate_request
@@ -29,9 +30,12 @@ logger = logging.getLogger(__name__)
 
 
 class BatonServicer(generate_pb2_grpc.BatonServicer):
-    def __init__(self, model: ServedModel, dispatcher: Dispatcher) -> None:
+    def __init__(
+        self, model: ServedModel, dispatcher: Dispatcher, metrics: GatewayMetrics | None = None
+    ) -> None:
         self._model = model
         self._dispatcher = dispatcher
+        self._metrics = metrics
         # Client-chosen ids of requests in flight here: a duplicate would make logs,
         # cancellation and usage ambiguous, so it is refused.
         self._in_flight: set[str] = set()
@@ -40,17 +44,27 @@ class BatonServicer(generate_pb2_grpc.BatonServicer):
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         began = time.monotonic()
-        card = self._model.card
-        req = validate_generate_request(request, card)
-        rid = req.request_id or uuid.uuid4().hex
-        if rid in self._in_flight:
-            raise ValueError(f"request_id {rid!r} is already in use by a request in flight")
-        self._in_flight.add(rid)
+        track = self._metrics.track(began) if self._metrics is not None else None
+        error: BaseException | None = None
         try:
-            async for response in self._generate(req, rid, began, context):
-                yield response
+            req = validate_generate_request(request, self._model.card)
+            rid = req.request_id or uuid.uuid4().hex
+            if rid in self._in_flight:
+                raise ValueError(f"request_id {rid!r} is already in use by a request in flight")
+            self._in_flight.add(rid)
+            try:
+                async for response in self._generate(req, rid, began, context):
+                    if track is not None:
+                        track.tokens(len(response.token_ids))
+                    yield response
+            finally:
+                self._in_flight.discard(rid)
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
-            self._in_flight.discard(rid)
+            if track is not None:
+                track.finish(error)
 
     async def _generate(
         self, req: GenerateInput, rid: str, began: float, context: grpc.aio.ServicerContext

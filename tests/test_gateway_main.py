@@ -62,7 +62,7 @@ def test_env_fills_what_flags_leave_out_and_flags_win() -> None:
     ("argv", "env", "named"),
     [
         ([], {}, "decode"),
-        (["--decode", "nocolon"], {}, "decode address"),
+        (["--decode", "nocolon"], {}, "decode: target .nocolon."),
         (["--decode", "a:1", "--port", "http"], {}, "--port"),
         (["--decode", "a:1"], {"BATON_GATEWAY_MAX_RETRIES": "many"}, "BATON_GATEWAY_MAX_RETRIES"),
         (["--decode", "a:1", "--max-retries", "-1"], {}, "max_retries"),

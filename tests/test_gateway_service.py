@@ -61,6 +61,8 @@ async def running_gateway(
     *,
     max_retries: int = 2,
     wait_ready: bool = True,
+    worker_down_after_s: float = 0.5,
+    wait_for_worker_s: float = 0.2,
 ) -> AsyncIterator[Running]:
     config = GatewayConfig(
         decode=tuple(d.address for d in decode),
@@ -70,6 +72,8 @@ async def running_gateway(
         grace_s=1.0,
         stats_interval_s=0.05,
         stats_timeout_s=0.5,
+        worker_down_after_s=worker_down_after_s,
+        wait_for_worker_s=wait_for_worker_s,
     )
     gateway = Gateway(config, model=model)
     server = RpcServer(gateway.spec())
@@ -279,7 +283,8 @@ async def test_failure_before_first_token_moves_off_a_decode_worker_that_is_down
     dying.script = Script(error=errors.UnavailableError("engine died"), go_down=True)
     async with fake_workers([dying, healthy]) as (d, _), running_gateway(model, d) as gw:
         got = await generate(gw.stub, text_request())
-        assert not gw.gateway.router.workers[0].up
+        # Silent for longer than worker_down_after_s: out of rotation.
+        await eventually(lambda: not gw.gateway.router.workers[0].up)
     assert (len(dying.requests), len(healthy.requests)) == (1, 1)
     assert got[-1].finish_reason == common_pb2.FINISH_REASON_STOP
 
