@@ -14,7 +14,6 @@ import os
 import sys
 from collections.abc import Sequence
 
-from decode_service.servicer import SERVICE_NAME, DecodeServicer
 from protos.baton.v1 import worker_pb2_grpc
 from rpc.metrics import WorkerCollector, WorkerSampler, metrics_endpoint, new_registry
 from rpc.server import ServerSpec, serve
@@ -46,6 +45,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 async def _run(cfg: WorkerConfig) -> None:
+    # Imported here, so that --check-config answers without loading torch.
+    from decode_service.servicer import SERVICE_NAME, DecodeServicer
+
     servicer = DecodeServicer(cfg)
     spec = ServerSpec(
         name="decode" if cfg.role == "decode" else "worker",

@@ -60,6 +60,7 @@ class Gateway:
             down_after_s=config.worker_down_after_s,
             resolve_interval_s=config.resolve_interval_s,
             wait_for_worker_s=config.wait_for_worker_s,
+            same_host_prefill=config.same_host_prefill,
         )
         self.dispatcher = Dispatcher(self.router, self.channels, max_retries=config.max_retries)
         self.metrics = GatewayMetrics(registry) if registry is not None else None

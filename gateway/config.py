@@ -43,6 +43,9 @@ class GatewayConfig:
     # How long a request that finds no worker of a kind up waits for one (within its deadline).
     wait_for_worker_s: float = 3.0
     resolve_interval_s: float = 5.0  # how often dns:/// targets are looked up again
+    # Pair each decode worker with a prefill worker on its own host (co-located pods,
+    # whose KV moves over shm / cuda_ipc and cannot cross hosts).
+    same_host_prefill: bool = False
     metrics_port: int = 0  # Prometheus metrics over HTTP on this port; 0: off
     log_level: str = "INFO"
 
@@ -129,6 +132,15 @@ def _addresses(raw: str) -> tuple[str, ...]:
     return tuple(a.strip() for a in raw.split(",") if a.strip())
 
 
+def _bool(raw: str) -> bool:
+    low = raw.lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected true/false")
+
+
 # Field -> how to convert its text form (env values, and flags argparse leaves as text).
 _FIELDS: dict[str, Callable[[str], Any]] = {
     "decode": _addresses,
@@ -146,6 +158,7 @@ _FIELDS: dict[str, Callable[[str], Any]] = {
     "worker_down_after_s": float,
     "wait_for_worker_s": float,
     "resolve_interval_s": float,
+    "same_host_prefill": _bool,
     "metrics_port": int,
     "log_level": str.upper,
 }
@@ -189,6 +202,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--resolve-interval-s", help="seconds between DNS lookups of dns:/// targets (5)"
+    )
+    p.add_argument(
+        "--same-host-prefill",
+        help="true: pair each decode worker with a prefill worker on its own host "
+        "(co-located pods sharing shm); default false",
     )
     p.add_argument("--metrics-port", help="serve Prometheus metrics on this port; 0: off (0)")
     p.add_argument(

@@ -30,7 +30,7 @@ import contextlib
 import enum
 import logging
 import time
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -68,6 +68,10 @@ _NOT_POLLED = "not polled yet"
 # After a failure asks for a fresh lookup, the next one waits at least this long after
 # the previous one, so a burst of failures is one lookup, not a storm.
 _MIN_RESOLVE_GAP_S = 0.5
+
+
+def _host(address: str) -> str:
+    return address.rpartition(":")[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +151,7 @@ class Router:
         down_after_s: float = 3.0,
         resolve_interval_s: float = 5.0,
         wait_for_worker_s: float = 3.0,
+        same_host_prefill: bool = False,
     ) -> None:
         if not decode:
             raise ValueError("decode must list at least one worker target")
@@ -170,6 +175,7 @@ class Router:
         self._down_after_s = down_after_s
         self._resolve_interval_s = resolve_interval_s
         self._wait_for_worker_s = wait_for_worker_s
+        self._same_host_prefill = same_host_prefill
         self._workers: dict[WorkerKind, dict[str, WorkerState]] = {k: {} for k in WorkerKind}
         self._polls: dict[tuple[WorkerKind, str], asyncio.Task[None]] = {}
         self._resolve_task: asyncio.Task[None] | None = None
@@ -241,8 +247,22 @@ class Router:
         avoid_decode: Collection[str] = (),
     ) -> Route:
         """The best decode worker and the best prefill worker, preferring ones not in the
-        ``avoid_*`` sets (ones a failed attempt used) while another is up. Raises
-        UnavailableError when no worker of a needed kind is up."""
+        ``avoid_*`` sets (ones a failed attempt used) while another is up. With
+        ``same_host_prefill`` both are on one host. Raises UnavailableError when no worker
+        (pair) of a needed kind is up."""
+        if self._same_host_prefill and not self.single_process:
+            hosts = {_host(w.address) for w in self._workers[WorkerKind.PREFILL].values() if w.up}
+            decode = self._best(
+                WorkerKind.DECODE, avoid_decode, lambda w: _host(w.address) in hosts
+            )
+            chosen = self._best(
+                WorkerKind.PREFILL,
+                avoid_prefill,
+                lambda w: _host(w.address) == _host(decode.address),
+            )
+            chosen.prompt_tokens_since_poll += num_prompt_tokens
+            decode.picks_since_poll += 1
+            return Route(decode=decode.address, prefill=chosen.address)
         decode = self._best(WorkerKind.DECODE, avoid_decode)
         prefill = ""
         if not self.single_process:
@@ -313,11 +333,23 @@ class Router:
             raise ValueError(f"{kind.value} worker {address!r} is not known")
         return await self._poll(worker)
 
-    def _best(self, kind: WorkerKind, avoid: Collection[str]) -> WorkerState:
+    def _best(
+        self,
+        kind: WorkerKind,
+        avoid: Collection[str],
+        allowed: Callable[[WorkerState], bool] = lambda w: True,
+    ) -> WorkerState:
         workers = list(self._workers[kind].values())
         up = [(i, w) for i, w in enumerate(workers) if w.up]
         if not up:
             raise UnavailableError(self._none_up(kind, workers))
+        up = [(i, w) for i, w in up if allowed(w)]
+        if not up:
+            raise UnavailableError(
+                f"no {kind.value} worker is up on the same host as an up "
+                f"{'prefill' if kind is WorkerKind.DECODE else 'decode'} worker "
+                "(same-host pairing of co-located workers); retry later"
+            )
         fresh = [(i, w) for i, w in up if w.address not in avoid] or up
         if kind is WorkerKind.DECODE:
             return max(fresh, key=lambda iw: (iw[1].decode_score(), -iw[0]))[1]

@@ -13,7 +13,6 @@ import os
 import sys
 from collections.abc import Sequence
 
-from prefill_service.servicer import SERVICE_NAME, PrefillServicer
 from protos.baton.v1 import worker_pb2_grpc
 from rpc.metrics import WorkerCollector, WorkerSampler, metrics_endpoint, new_registry
 from rpc.server import ServerSpec, serve
@@ -43,6 +42,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 async def _run(cfg: WorkerConfig) -> None:
+    # Imported here, so that --check-config answers without loading torch.
+    from prefill_service.servicer import SERVICE_NAME, PrefillServicer
+
     servicer = PrefillServicer(cfg)
     spec = ServerSpec(
         name="prefill",
