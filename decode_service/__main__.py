@@ -63,10 +63,15 @@ async def _run(cfg: WorkerConfig) -> None:
     )
     registry = new_registry()
     sampler = WorkerSampler(
-        lambda: servicer.engine.stats() if servicer.engine is not None else None,
-        lambda: servicer.inbox.tally.snapshot() if servicer.inbox is not None else None,
+        lambda: servicer.engine.stats() if servicer.engine is not None else None
     )
-    registry.register(WorkerCollector(cfg.role, sampler.snapshot))
+    registry.register(
+        WorkerCollector(
+            cfg.role,
+            sampler.snapshot,
+            lambda: servicer.inbox.tally.snapshot() if servicer.inbox is not None else None,
+        )
+    )
     sampling = None  # the sampler asks the engine for stats: only when someone reads them
     if cfg.metrics_port:
         sampling = asyncio.create_task(sampler.run(), name="metrics-sampler")

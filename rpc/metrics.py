@@ -5,10 +5,11 @@ nothing is registered on prometheus-client's global registry, so tests can run m
 services in one process. Names follow Prometheus conventions (``baton_`` prefix, base
 units, ``_total`` counters); the README maps each onto its vLLM counterpart.
 
-Worker metrics are read, at scrape time, from a *snapshot callable*: a function that
-returns the latest :class:`WorkerSnapshot` (or None while the worker starts) without
-touching the engine thread. :class:`WorkerSampler` is one: a task on the worker's event
-loop that asks the engine for its stats every ``interval_s`` and keeps the last answer.
+Worker metrics are read, at scrape time, from *snapshot callables*: one returns the
+latest :class:`WorkerSnapshot` (or None while the worker starts) without touching the
+engine thread, the other the KV transfer counts (thread-safe, always current).
+:class:`WorkerSampler` makes the first: a task on the worker's event loop that asks the
+engine for its stats every ``interval_s`` and keeps the last answer.
 """
 
 from __future__ import annotations
@@ -91,20 +92,29 @@ class WorkerSnapshot:
     engine: EngineStats
     # Share of wall time with a forward in flight over the last sampling window.
     busy_ratio: float
-    transfers: TransferStats | None = None  # None: this worker moves no KV
 
 
 class WorkerCollector(Collector):
-    """The worker metrics, from ``snapshot()`` at every scrape. ``role`` labels them all."""
+    """The worker metrics, from ``snapshot()`` and ``transfers()`` (None: this worker
+    moves no KV, or not yet) at every scrape. ``role`` labels them all."""
 
-    def __init__(self, role: str, snapshot: Callable[[], WorkerSnapshot | None]) -> None:
+    def __init__(
+        self,
+        role: str,
+        snapshot: Callable[[], WorkerSnapshot | None],
+        transfers: Callable[[], TransferStats | None] = lambda: None,
+    ) -> None:
         self._role = role
         self._snapshot = snapshot
+        self._transfers = transfers
 
     def describe(self) -> list[Metric]:
         return []  # names are only known from a snapshot; nothing to check up front
 
     def collect(self) -> Iterator[Metric]:
+        transfers = self._transfers()
+        if transfers is not None:
+            yield from _transfer_metrics(self._role, transfers)
         snap = self._snapshot()
         if snap is None:
             return
@@ -180,8 +190,6 @@ class WorkerCollector(Collector):
             "Tokens sampled here.",
             s.num_generated_tokens_total,
         )
-        if snap.transfers is not None:
-            yield from _transfer_metrics(self._role, snap.transfers)
 
 
 def _transfer_metrics(role: str, t: TransferStats) -> Iterator[Metric]:
@@ -215,15 +223,13 @@ def _transfer_metrics(role: str, t: TransferStats) -> Iterator[Metric]:
 class WorkerSampler:
     """Keeps the latest :class:`WorkerSnapshot` of a worker; run it on the worker's loop.
 
-    ``stats`` asks the engine for its stats (None while it starts); ``transfers``
-    returns the transfer counts (None for a worker that moves no KV). ``snapshot`` may
-    be called from any thread.
+    ``stats`` asks the engine for its stats (None while it starts). ``snapshot`` may be
+    called from any thread.
     """
 
     def __init__(
         self,
         stats: Callable[[], Awaitable[EngineStats] | None],
-        transfers: Callable[[], TransferStats | None] = lambda: None,
         *,
         interval_s: float = 1.0,
         window_s: float = 10.0,
@@ -231,7 +237,6 @@ class WorkerSampler:
         if interval_s <= 0 or window_s < interval_s:
             raise ValueError(f"need 0 < interval_s <= window_s, got {interval_s}, {window_s}")
         self._stats = stats
-        self._transfers = transfers
         self._interval_s = interval_s
         self._window_s = window_s
         self._latest: WorkerSnapshot | None = None
@@ -252,7 +257,7 @@ class WorkerSampler:
             self._history.pop(0)
         then, busy_then = self._history[0]
         ratio = (stats.busy_seconds - busy_then) / (now - then) if now > then else 0.0
-        self._latest = WorkerSnapshot(stats, min(1.0, max(0.0, ratio)), self._transfers())
+        self._latest = WorkerSnapshot(stats, min(1.0, max(0.0, ratio)))
 
     async def run(self) -> None:
         while True:
