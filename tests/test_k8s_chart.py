@@ -679,3 +679,33 @@ def test_every_template_is_used_by_some_value_set(renders) -> None:  # noqa: ANN
         sources |= set(re.findall(r"# Source: baton/templates/(\S+)", text))
     templates = {p.name for p in (CHART / "templates").glob("*.yaml")}
     assert templates <= sources, templates - sources
+
+
+def test_schema_allows_exactly_the_flags_the_chart_leaves_to_values() -> None:
+    """The keys values.schema.json allows in engine / settings are real flags of the
+    services, and every flag is either allowed there or set by the chart itself, so a
+    renamed flag breaks this test rather than a deployment."""
+    import json
+
+    from gateway.config import _FIELDS as gateway_flags
+    from rpc.worker_config import _FIELDS as worker_flags
+
+    def camel(name: str) -> str:
+        return re.sub(r"_([a-z])", lambda m: m.group(1).upper(), name)
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    props = schema["properties"]
+    engine = set(props["engine"]["propertyNames"]["enum"])
+    allowed = {
+        role: set(props[role]["allOf"][1]["properties"]["settings"]["propertyNames"]["enum"])
+        for role in ("gateway", "prefill", "decode")
+    }
+    by_chart = {"host", "port", "portFile", "metricsPort", "graceS", "model"}
+    gateway_by_chart = by_chart | {"decode", "prefill", "modelCacheDir", "sameHostPrefill"}
+    worker_by_chart = by_chart | {"cacheDir", "transport", "transportAddress", "advertiseHost"}
+    assert allowed["gateway"] | gateway_by_chart == {camel(n) for n in gateway_flags}
+    assert not allowed["gateway"] & gateway_by_chart
+    for role in ("prefill", "decode"):
+        assert engine <= allowed[role]
+        assert allowed[role] | worker_by_chart == {camel(n) for n in worker_flags}
+        assert not allowed[role] & worker_by_chart
