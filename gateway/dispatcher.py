@@ -27,7 +27,8 @@ import grpc.aio
 from engine.errors import AbortedError, DeadlineExceededError, UnavailableError
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
-from gateway.router import Route, Router, WorkerKind
+from gateway.router import Router
+from gateway.workers import Route, WorkerKind
 from protos.baton.v1 import worker_pb2, worker_pb2_grpc
 from rpc.channels import ChannelCache
 from rpc.convert import output_from_decode_response, sampling_params_to_proto

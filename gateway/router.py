@@ -27,11 +27,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import logging
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
-from dataclasses import dataclass
 
 import grpc
 import grpc.aio
@@ -39,98 +37,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.errors import UnavailableError
 from gateway.discovery import Fleet, Resolver, system_resolver
+from gateway.workers import ACCEPTED_ROLES, NOT_POLLED, Route, WorkerKind, WorkerState, host_of
 from protos.baton.v1 import worker_pb2, worker_pb2_grpc
 from rpc.channels import ChannelCache
 
 logger = logging.getLogger(__name__)
 
-
-class WorkerKind(enum.Enum):
-    DECODE = "decode"
-    PREFILL = "prefill"
-
-
-# The roles a worker listed under each kind may report (UNSPECIFIED: not told, accepted).
-_ACCEPTED_ROLES = {
-    WorkerKind.DECODE: {
-        worker_pb2.WORKER_ROLE_UNSPECIFIED,
-        worker_pb2.WORKER_ROLE_DECODE,
-        worker_pb2.WORKER_ROLE_BOTH,
-    },
-    WorkerKind.PREFILL: {
-        worker_pb2.WORKER_ROLE_UNSPECIFIED,
-        worker_pb2.WORKER_ROLE_PREFILL,
-        worker_pb2.WORKER_ROLE_BOTH,
-    },
-}
-
-_NOT_POLLED = "not polled yet"
 # After a failure asks for a fresh lookup, the next one waits at least this long after
 # the previous one, so a burst of failures is one lookup, not a storm.
 _MIN_RESOLVE_GAP_S = 0.5
-
-
-def _host(address: str) -> str:
-    return address.rpartition(":")[0]
-
-
-@dataclass(frozen=True, slots=True)
-class Route:
-    """Where one attempt of a request goes."""
-
-    decode: str  # host:port
-    prefill: str  # host:port; "" in single-process mode
-
-
-@dataclass(slots=True)
-class WorkerState:
-    """What the router knows of one worker, from its last Stats and the picks since."""
-
-    address: str
-    kind: WorkerKind
-    down_after_s: float = 3.0  # how long without a serving answer before it is down
-    serving: bool = False  # its last answer said it serves (Stats answered, right role)
-    incarnation_id: str = ""
-    total_kv_blocks: int = 0
-    free_kv_blocks: int = 0
-    load: int = 0  # running + waiting + waiting for KV
-    queued_prompt_tokens: int = 0
-    picks_since_poll: int = 0
-    prompt_tokens_since_poll: int = 0
-    last_error: str = _NOT_POLLED
-    last_seen: float = 0.0  # time.monotonic() of the last serving answer
-    in_flight: int = 0  # streams routed here that have not ended
-    left: bool = False  # no longer in its fleet's answer: forgotten once in_flight is 0
-
-    @property
-    def up(self) -> bool:
-        """Routable: it said it serves, not longer than ``down_after_s`` ago."""
-        return (
-            self.serving
-            and not self.left
-            and time.monotonic() - self.last_seen <= self.down_after_s
-        )
-
-    def decode_score(self) -> float:
-        """Higher is better: free blocks per unit of (reported + recently added) load."""
-        return self.free_kv_blocks / (1 + self.load + self.picks_since_poll)
-
-    def prefill_score(self) -> int:
-        """Lower is better: prompt tokens waiting to be computed."""
-        return self.queued_prompt_tokens + self.prompt_tokens_since_poll
-
-    def update(self, stats: worker_pb2.WorkerStats) -> None:
-        """Take a serving answer: its load, and now as the last time it was seen."""
-        self.incarnation_id = stats.incarnation_id
-        self.total_kv_blocks = stats.total_kv_blocks
-        self.free_kv_blocks = stats.free_kv_blocks
-        self.load = stats.num_running + stats.num_waiting + stats.num_waiting_for_kv
-        self.queued_prompt_tokens = stats.queued_prompt_tokens
-        self.picks_since_poll = 0
-        self.prompt_tokens_since_poll = 0
-        self.serving = True
-        self.last_error = ""
-        self.last_seen = time.monotonic()
 
 
 class Router:
@@ -251,14 +166,14 @@ class Router:
         ``same_host_prefill`` both are on one host. Raises UnavailableError when no worker
         (pair) of a needed kind is up."""
         if self._same_host_prefill and not self.single_process:
-            hosts = {_host(w.address) for w in self._workers[WorkerKind.PREFILL].values() if w.up}
+            hosts = {host_of(w.address) for w in self._workers[WorkerKind.PREFILL].values() if w.up}
             decode = self._best(
-                WorkerKind.DECODE, avoid_decode, lambda w: _host(w.address) in hosts
+                WorkerKind.DECODE, avoid_decode, lambda w: host_of(w.address) in hosts
             )
             chosen = self._best(
                 WorkerKind.PREFILL,
                 avoid_prefill,
-                lambda w: _host(w.address) == _host(decode.address),
+                lambda w: host_of(w.address) == host_of(decode.address),
             )
             chosen.prompt_tokens_since_poll += num_prompt_tokens
             decode.picks_since_poll += 1
@@ -465,7 +380,7 @@ class Router:
                 reason = f"health is NOT_SERVING ({err.details()})"
             self._missed(worker, reason, was_up)
             return False
-        if stats.role not in _ACCEPTED_ROLES[worker.kind]:
+        if stats.role not in ACCEPTED_ROLES[worker.kind]:
             role = worker_pb2.WorkerRole.Name(stats.role)
             worker.serving = False
             self._missed(
@@ -503,7 +418,7 @@ class Router:
             self._decode_up.set()
 
     def _missed(self, worker: WorkerState, reason: str, was_up: bool) -> None:
-        first = worker.last_error == _NOT_POLLED
+        first = worker.last_error == NOT_POLLED
         worker.last_error = reason
         if was_up and not worker.up:
             logger.warning("%s worker %s is down: %s", worker.kind.value, worker.address, reason)

@@ -21,7 +21,6 @@ def set_up(r: Router, address: str, **stats: int) -> None:
     worker.update(worker_pb2.WorkerStats(**stats))
 
 
-
 def test_decode_with_most_free_blocks_per_load_and_least_queued_prefill() -> None:
     r = router()
     set_up(r, "d0:1", free_kv_blocks=100, num_running=9)  # 10 per unit of load
