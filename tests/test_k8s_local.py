@@ -6,7 +6,8 @@ directories). The gateway finds the workers only through the ``dns:///`` names i
 rendered environment, answered from a file standing in for the cluster DNS (each
 headless Service name -> its ready pods). Completions must equal HF greedy on the same
 tiny model, and the KV of every request moves over gloo between the workers, each of
-which advertises its own pod IP.
+which advertises its own pod IP. The second decode pod joins the DNS answer only after
+the gateway started (as a pod that just became ready) and then takes requests too.
 """
 
 from __future__ import annotations
@@ -59,6 +60,14 @@ def prompt(n: int) -> list[int]:
     return [1000 + 97 * n + 13 * i for i in range(20 + 9 * n)]
 
 
+async def wait_metric(address: str, key: tuple, value: float, timeout_s: float = 30.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while (got := scrape(address).get(key)) != value:
+        assert loop.time() < deadline, f"{key} is {got}, not {value}"
+        await asyncio.sleep(0.2)
+
+
 async def test_rendered_pods_serve_correct_completions_with_kv_over_gloo(
     tiny_llama: Path, tmp_path: Path, reference: dict
 ) -> None:
@@ -76,15 +85,22 @@ async def test_rendered_pods_serve_correct_completions_with_kv_over_gloo(
         for role, started in workers.items():
             for pod in started:
                 pods.wait_serving(pod, f"grpc-{role}", START_TIMEOUT_S)
-        # The headless Services' DNS: each rendered target name -> its ready pods.
-        dns = {}
-        for role in ("prefill", "decode"):
-            target = data[f"BATON_GATEWAY_{role.upper()}"].removeprefix("dns:///")
-            dns[target] = [p.address(f"grpc-{role}") for p in workers[role]]
-        assert set(dns) == {"baton-prefill:50052", "baton-decode:50053"}
+        # The headless Services' DNS: each rendered target name -> its ready pods; the
+        # second decode pod is not in it yet.
+        targets = {
+            role: data[f"BATON_GATEWAY_{role.upper()}"].removeprefix("dns:///")
+            for role in ("prefill", "decode")
+        }
+        assert targets == {"prefill": "baton-prefill:50052", "decode": "baton-decode:50053"}
+        dns = {
+            targets[role]: [p.address(f"grpc-{role}") for p in workers[role]] for role in workers
+        }
+        dns[targets["decode"]] = dns[targets["decode"]][:1]
         pods.publish_dns(dns)
         gateway = pods.start("gateway-0", by_deployment["baton-gateway"], objects)
         pods.wait_serving(gateway, "grpc", START_TIMEOUT_S)
+        decode_up = ("baton_workers_up", (("kind", "decode"),))
+        await wait_metric(gateway.address("metrics"), decode_up, 1)
 
         async with grpc.aio.insecure_channel(gateway.address("grpc")) as channel:
             stub = generate_pb2_grpc.BatonStub(channel)
@@ -101,7 +117,13 @@ async def test_rendered_pods_serve_correct_completions_with_kv_over_gloo(
                 return [t for r in got for t in r.token_ids]
 
             try:
-                outputs = await asyncio.gather(*(complete(n) for n in range(4)))
+                outputs = [await complete(0)]
+                # decode-1 becomes ready: it joins the answer, and the gateway's next
+                # lookup (every resolveIntervalS) finds it.
+                dns[targets["decode"]] = [p.address("grpc-decode") for p in workers["decode"]]
+                pods.publish_dns(dns)
+                await wait_metric(gateway.address("metrics"), decode_up, 2)
+                outputs += await asyncio.gather(*(complete(n) for n in range(1, 4)))
             except grpc.aio.AioRpcError as err:
                 pytest.fail(f"{err.code().name}: {err.details()}\n{pods.logs()}")
         for n, ours in enumerate(outputs):
@@ -114,15 +136,15 @@ async def test_rendered_pods_serve_correct_completions_with_kv_over_gloo(
         assert gw[("baton_workers_up", (("kind", "prefill"),))] == 2
         assert gw[("baton_requests_total", (("status", "OK"),))] == 4
         moved = {
-            role: sum(
-                scrape(p.address(f"metrics-{role}"))[
-                    ("baton_kv_transfer_bytes_total", (("role", role),))
-                ]
-                for p in started
-            )
+            p.name: scrape(p.address(f"metrics-{role}"))[
+                ("baton_kv_transfer_bytes_total", (("role", role),))
+            ]
             for role, started in workers.items()
+            for p in started
         }
-        assert moved["prefill"] > 0 and moved["prefill"] == moved["decode"], moved
+        sent = moved["prefill-0"] + moved["prefill-1"]
+        assert sent > 0 and sent == moved["decode-0"] + moved["decode-1"], moved
+        assert moved["decode-1"] > 0, f"the decode pod that joined took no request: {moved}"
         logs = pods.logs()
         for pod in workers["decode"]:
             # Each decode worker's KV store is advertised at its own pod IP.
