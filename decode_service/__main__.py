@@ -1,16 +1,21 @@
 """``python -m decode_service``: run a decode worker (or, with --single-process, a worker
-that runs prefill and decode in one engine) until SIGTERM. Flags: rpc.worker_config."""
+that runs prefill and decode in one engine) until SIGTERM. Flags: rpc.worker_config.
+
+``--check-config`` parses the flags and their environment twins, prints the resolved
+configuration as JSON and exits (0), or prints the error and exits 2, starting nothing.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import sys
 from collections.abc import Sequence
 
-from decode_service.servicer import SERVICE_NAME, DecodeServicer
 from protos.baton.v1 import worker_pb2_grpc
+from rpc.metrics import WorkerCollector, WorkerSampler, metrics_endpoint, new_registry
 from rpc.server import ServerSpec, serve
 from rpc.worker_config import WorkerConfig, env_prefix
 
@@ -21,10 +26,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         env_prefix("decode") + "SINGLE_PROCESS", ""
     ).lower() in ("1", "true", "yes", "on")
     try:
-        cfg = WorkerConfig.from_args("both" if single else "decode", args, os.environ)
+        cfg, check_only = WorkerConfig.parse("both" if single else "decode", args, os.environ)
     except ValueError as err:
         print(f"decode_service: {err}", file=sys.stderr)
         return 2
+    if check_only:
+        print(cfg.describe())
+        return 0
     logging.basicConfig(
         level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -37,6 +45,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 async def _run(cfg: WorkerConfig) -> None:
+    # Imported here, so that --check-config answers without loading torch.
+    from decode_service.servicer import SERVICE_NAME, DecodeServicer
+
     servicer = DecodeServicer(cfg)
     spec = ServerSpec(
         name="decode" if cfg.role == "decode" else "worker",
@@ -51,9 +62,28 @@ async def _run(cfg: WorkerConfig) -> None:
         port_file=cfg.port_file,
         fatal=servicer.fatal,
     )
+    registry = new_registry()
+    sampler = WorkerSampler(
+        lambda: servicer.engine.stats() if servicer.engine is not None else None
+    )
+    registry.register(
+        WorkerCollector(
+            cfg.role,
+            sampler.snapshot,
+            lambda: servicer.inbox.tally.snapshot() if servicer.inbox is not None else None,
+        )
+    )
+    sampling = None  # the sampler asks the engine for stats: only when someone reads them
+    if cfg.metrics_port:
+        sampling = asyncio.create_task(sampler.run(), name="metrics-sampler")
     try:
-        await serve(spec)
+        with metrics_endpoint(registry, cfg.metrics_port, cfg.host):
+            await serve(spec)
     finally:
+        if sampling is not None:
+            sampling.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sampling
         await servicer.close()
 
 

@@ -15,6 +15,7 @@ import time
 import torch
 
 from engine.kv_layout import KVLayout
+from engine.stats import TransferTally
 from engine.transfer.base import KVDescriptor, KVReceiver, RecvCompletion, TransferConfig
 from engine.transfer.factory import make_receiver
 
@@ -36,6 +37,9 @@ class KVInbox:
         self.receiver: KVReceiver | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._waiters: dict[str, asyncio.Future[RecvCompletion]] = {}
+        # request id -> (when its lease was granted, bytes it covers), for the tally.
+        self._started: dict[str, tuple[float, int]] = {}
+        self.tally = TransferTally()  # every lease's outcome, for the metrics endpoint
 
     def allocate_pool(self, layout: KVLayout, num_blocks: int) -> torch.Tensor:
         """The engine's KV pool, placed where prefill workers can write it.
@@ -84,6 +88,10 @@ class KVInbox:
         except BaseException:
             self._waiters.pop(request_id, None)
             raise
+        self._started[request_id] = (
+            time.monotonic(),
+            len(block_ids) * desc.endpoint.layout.block_bytes,
+        )
         return desc, fut
 
     def verify(self, request_id: str, checksum: int, epoch: int) -> None:
@@ -123,6 +131,10 @@ class KVInbox:
     def _drain(self) -> None:
         assert self.receiver is not None
         for completion in self.receiver.poll():
+            started = self._started.pop(completion.request_id, None)
+            if started is not None:
+                began, num_bytes = started
+                self.tally.record(time.monotonic() - began, num_bytes, completion.error)
             fut = self._waiters.pop(completion.request_id, None)
             if fut is not None and not fut.done():
                 fut.set_result(completion)

@@ -156,6 +156,8 @@ class EngineCore:
             prefix_hit_tokens=self.pool.prefix_hit_tokens,
             prefix_query_tokens=self.pool.prefix_query_tokens,
             num_preemptions=s.num_preemptions,
+            num_prompt_tokens_total=s.num_prompt_tokens_total,
+            num_generated_tokens_total=s.num_generated_tokens_total,
             num_steps=self.runner.num_steps,
             busy_seconds=self.runner.busy_seconds,
         )

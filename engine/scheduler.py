@@ -90,6 +90,10 @@ class Scheduler:
         self.num_preemptions = 0
         # step id -> blocks that step writes, from schedule() until update() of it.
         self._writing: dict[int, frozenset[int]] = {}
+        # Since start: prompt tokens of admitted requests (run here or reserved for KV from
+        # a prefill worker) and tokens sampled; the metrics' prompt / generation counters.
+        self.num_prompt_tokens_total = 0
+        self.num_generated_tokens_total = 0
 
     # -- intake -----------------------------------------------------------------------
 
@@ -115,6 +119,7 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         self.requests[req.request_id] = req
         self.waiting.append(req)
+        self.num_prompt_tokens_total += req.num_prompt_tokens
 
     def reserve_remote(self, req: Request) -> list[int]:
         """Allocate blocks for ``req``'s prompt, to be filled by a prefill worker.
@@ -142,6 +147,7 @@ class Scheduler:
         req.status = RequestStatus.WAITING_FOR_KV
         self.requests[req.request_id] = req
         self.remote[req.request_id] = req
+        self.num_prompt_tokens_total += req.num_prompt_tokens
         return blocks
 
     def remote_kv_ready(
@@ -328,6 +334,7 @@ class Scheduler:
                 continue
             req.num_pending_tokens -= 1
             req.all_token_ids.append(tok.token_id)
+            self.num_generated_tokens_total += 1
             if req.num_computed_tokens >= confirmed:
                 self._register_full_blocks(req, confirmed)
             reason = self._stop_reason(req, tok.token_id)

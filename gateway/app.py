@@ -15,12 +15,15 @@ import logging
 
 import grpc.aio
 from opentelemetry import trace
+from prometheus_client import CollectorRegistry
 
 from gateway.config import GatewayConfig
+from gateway.discovery import Resolver, system_resolver
 from gateway.dispatcher import Dispatcher
 from gateway.generation import Generation
 from gateway.http_api import build_app
 from gateway.http_server import HttpServer
+from gateway.metrics import GatewayMetrics, WorkersCollector
 from gateway.router import Router
 from gateway.served_model import ServedModel, locate_model
 from gateway.servicer import BatonServicer
@@ -39,6 +42,7 @@ class Gateway:
     ``model`` replaces the one named by the config (tests share one loaded tokenizer); the
     gateway closes only a model it made itself. ``tracer_provider`` (built in ``__main__``,
     or an in-memory one in tests) records the request spans; None records none.
+    ``resolver`` looks up ``dns:///`` targets (tests inject one). With a ``registry`` the gateway's metrics are registered on it.
     """
 
     def __init__(
@@ -46,6 +50,9 @@ class Gateway:
         config: GatewayConfig,
         model: ServedModel | None = None,
         tracer_provider: trace.TracerProvider | None = None,
+        *,
+        resolver: Resolver = system_resolver,
+        registry: CollectorRegistry | None = None,
     ) -> None:
         self.config = config
         self.channels = ChannelCache()
@@ -57,14 +64,24 @@ class Gateway:
             config.decode,
             config.prefill,
             self.channels,
+            resolver=resolver,
             poll_interval_s=config.stats_interval_s,
             stats_timeout_s=config.stats_timeout_s,
+            down_after_s=config.worker_down_after_s,
+            resolve_interval_s=config.resolve_interval_s,
+            wait_for_worker_s=config.wait_for_worker_s,
+            same_host_prefill=config.same_host_prefill,
         )
         tracer = (tracer_provider or trace.NoOpTracerProvider()).get_tracer("baton.gateway")
         self.dispatcher = Dispatcher(
             self.router, self.channels, max_retries=config.max_retries, tracer=tracer
         )
-        self.generation = Generation(self.model, self.dispatcher, tracer)
+        self.metrics = GatewayMetrics(registry) if registry is not None else None
+        if registry is not None:
+            registry.register(
+                WorkersCollector(lambda: ((w.kind.value, w.up) for w in self.router.workers))
+            )
+        self.generation = Generation(self.model, self.dispatcher, tracer, self.metrics)
         self.servicer = BatonServicer(self.generation)
         self.http: HttpServer | None = None
         if config.http_port is not None:
@@ -97,10 +114,10 @@ class Gateway:
             await self.http.start()
         self.router.start()
         logger.info(
-            "gateway: loading %s; waiting for one of %d decode worker(s) (%s prefill)",
+            "gateway: loading %s; waiting for a decode worker of %s (prefill: %s)",
             self.model.source.name,
-            len(self.config.decode),
-            len(self.config.prefill) or "no",
+            ", ".join(self.config.decode),
+            ", ".join(self.config.prefill) or "none, single-process workers",
         )
         await asyncio.gather(self.model.load(), self.router.wait_ready())
         if self.http is not None:

@@ -2,16 +2,21 @@
 
 Every flag has an environment twin (``--max-retries`` <-> ``BATON_GATEWAY_MAX_RETRIES``);
 a flag given on the command line wins. Lists (``--decode``, ``--prefill``) repeat the flag
-or, in the environment, separate addresses with commas.
+or, in the environment, separate targets with commas. A target is ``HOST:PORT`` or
+``dns:///NAME:PORT`` (every address NAME resolves to; see gateway.discovery).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from gateway.discovery import parse_target
 
 ENV_PREFIX = "BATON_GATEWAY_"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -21,8 +26,8 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 class GatewayConfig:
     """Everything the gateway needs to start. Frozen: nothing changes it after start-up."""
 
-    decode: tuple[str, ...]  # decode worker addresses, host:port
-    prefill: tuple[str, ...] = ()  # prefill worker addresses; empty: single-process mode
+    decode: tuple[str, ...]  # decode worker targets: HOST:PORT or dns:///NAME:PORT
+    prefill: tuple[str, ...] = ()  # prefill worker targets; empty: single-process mode
     model: str = "smollm2-135m"  # bundled name, .gguf path or checkpoint directory
     model_cache_dir: Path | None = None  # where workers cache converted GGUFs
     max_model_len: int = 0  # 0: the model's max_position_embeddings
@@ -33,6 +38,15 @@ class GatewayConfig:
     grace_s: float = 30.0  # drain time for in-flight requests on SIGTERM
     stats_interval_s: float = 0.25  # how often every worker's Stats is polled
     stats_timeout_s: float = 1.0  # deadline of one Stats call
+    # A worker is taken out of rotation after this long without a serving answer.
+    worker_down_after_s: float = 3.0
+    # How long a request that finds no worker of a kind up waits for one (within its deadline).
+    wait_for_worker_s: float = 3.0
+    resolve_interval_s: float = 5.0  # how often dns:/// targets are looked up again
+    # Pair each decode worker with a prefill worker on its own host (co-located pods,
+    # whose KV moves over shm / cuda_ipc and cannot cross hosts).
+    same_host_prefill: bool = False
+    metrics_port: int = 0  # Prometheus metrics over HTTP on this port; 0: off
     log_level: str = "INFO"
     # --- OpenAI-compatible HTTP and traces (gateway.http_server, rpc.tracing) ---
     http_port: int | None = None  # None: no HTTP; 0: any free port
@@ -42,25 +56,41 @@ class GatewayConfig:
 
     def __post_init__(self) -> None:
         if not self.decode:
-            raise ValueError("decode must list at least one decode worker address (host:port)")
+            raise ValueError(
+                "decode must list at least one decode worker target (HOST:PORT or dns:///NAME:PORT)"
+            )
         for name in ("decode", "prefill"):
-            for address in getattr(self, name):
-                host, sep, port = address.rpartition(":")
-                if not sep or not host or not port.isdigit():
-                    raise ValueError(f"{name} address must be host:port, got {address!r}")
+            targets = getattr(self, name)
+            for target in targets:
+                try:
+                    parse_target(target)
+                except ValueError as err:
+                    raise ValueError(f"{name}: {err}") from err
+            if len(set(targets)) != len(targets):
+                raise ValueError(f"{name} lists a target twice: {list(targets)}")
         if not self.model:
             raise ValueError("model must name a model")
         if self.max_model_len < 0:
             raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port must be in [0, 65536), got {self.port}")
+        for name in ("port", "metrics_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ValueError(f"{name} must be in [0, 65536), got {getattr(self, name)}")
+        if self.metrics_port and self.metrics_port == self.port:
+            raise ValueError(f"metrics_port and port must differ, both are {self.port}")
         if self.max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
-        for name in ("stats_interval_s", "stats_timeout_s"):
+        for name in (
+            "stats_interval_s",
+            "stats_timeout_s",
+            "worker_down_after_s",
+            "resolve_interval_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.wait_for_worker_s < 0:
+            raise ValueError(f"wait_for_worker_s must be >= 0, got {self.wait_for_worker_s}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         if self.http_port is not None:
@@ -77,6 +107,12 @@ class GatewayConfig:
     def from_args(cls, argv: Sequence[str], env: Mapping[str, str]) -> GatewayConfig:
         """Parse ``argv`` (without the program name) over ``env``; ValueError for bad values
         (``SystemExit`` from argparse for malformed flags)."""
+        return cls.parse(argv, env)[0]
+
+    @classmethod
+    def parse(cls, argv: Sequence[str], env: Mapping[str, str]) -> tuple[GatewayConfig, bool]:
+        """As :meth:`from_args`; also whether ``--check-config`` was given (print the
+        resolved config and exit, without starting anything)."""
         args = _parser().parse_args(list(argv))
         values: dict[str, Any] = {}
         for name, convert in _FIELDS.items():
@@ -95,13 +131,28 @@ class GatewayConfig:
                 raise ValueError(f"{source}={raw!r} is not valid: {err}") from err
         if not values.get("decode"):
             raise ValueError(
-                f"decode worker addresses are required: --decode HOST:PORT or {ENV_PREFIX}DECODE"
+                "decode worker targets are required: --decode HOST:PORT (or dns:///NAME:PORT) "
+                f"or {ENV_PREFIX}DECODE"
             )
-        return cls(**values)
+        return cls(**values), bool(args.check_config)
+
+    def describe(self) -> str:
+        """The resolved configuration as one JSON object (what ``--check-config`` prints)."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return json.dumps({"service": "gateway", "config": fields}, default=str, sort_keys=True)
 
 
 def _addresses(raw: str) -> tuple[str, ...]:
     return tuple(a.strip() for a in raw.split(",") if a.strip())
+
+
+def _bool(raw: str) -> bool:
+    low = raw.lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected true/false")
 
 
 # Field -> how to convert its text form (env values, and flags argparse leaves as text).
@@ -118,6 +169,11 @@ _FIELDS: dict[str, Callable[[str], Any]] = {
     "grace_s": float,
     "stats_interval_s": float,
     "stats_timeout_s": float,
+    "worker_down_after_s": float,
+    "wait_for_worker_s": float,
+    "resolve_interval_s": float,
+    "same_host_prefill": _bool,
+    "metrics_port": int,
     "log_level": str.upper,
     "http_port": int,
     "http_port_file": Path,
@@ -139,16 +195,43 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="bundled model name, .gguf file or checkpoint directory")
     p.add_argument("--model-cache-dir", help="where workers keep converted GGUF checkpoints")
     p.add_argument("--max-model-len", help="prompt + output token limit; 0: the model's own")
-    p.add_argument("--decode", action="append", help="decode worker host:port (repeat for several)")
+    p.add_argument(
+        "--decode",
+        action="append",
+        help="decode workers: HOST:PORT or dns:///NAME:PORT (every address NAME resolves to); "
+        "repeat for several",
+    )
     p.add_argument(
         "--prefill",
         action="append",
-        help="prefill worker host:port (repeat); none: decode workers run prompts themselves",
+        help="prefill workers, as --decode; none: decode workers run prompts themselves",
     )
     p.add_argument("--max-retries", help="retries before the first token (default 2)")
     p.add_argument("--grace-s", help="seconds in-flight requests may drain on SIGTERM")
     p.add_argument("--stats-interval-s", help="seconds between worker Stats polls (0.25)")
     p.add_argument("--stats-timeout-s", help="deadline of one Stats call, seconds (1.0)")
+    p.add_argument(
+        "--worker-down-after-s",
+        help="seconds without a serving Stats answer before a worker is out of rotation (3.0)",
+    )
+    p.add_argument(
+        "--wait-for-worker-s",
+        help="how long a request that finds no worker up waits for one, seconds (3.0)",
+    )
+    p.add_argument(
+        "--resolve-interval-s", help="seconds between DNS lookups of dns:/// targets (5)"
+    )
+    p.add_argument(
+        "--same-host-prefill",
+        help="true: pair each decode worker with a prefill worker on its own host "
+        "(co-located pods sharing shm); default false",
+    )
+    p.add_argument("--metrics-port", help="serve Prometheus metrics on this port; 0: off (0)")
+    p.add_argument(
+        "--check-config",
+        action="store_true",
+        help="print the resolved configuration as JSON and exit (2 on an error)",
+    )
     p.add_argument("--log-level", help=f"one of {', '.join(LOG_LEVELS)} (default INFO)")
     p.add_argument(
         "--http-port", help="serve the OpenAI-compatible HTTP API here; 0 picks a free one"

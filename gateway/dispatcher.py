@@ -4,7 +4,8 @@ The dispatcher picks a route, opens ``DecodeWorker.Decode`` with what is left of
 client's deadline, and yields the decode worker's outputs. An attempt that fails with
 UNAVAILABLE or ABORTED *before any token arrived* is retried, up to ``max_retries`` times:
 on another prefill worker when there is one, and on another decode worker when a fresh
-``Stats`` shows the failed one is down. Once a token has reached the caller a failure is
+``Stats`` gets no serving answer from the failed one. A request that finds no worker up
+waits briefly for one (``Router.route``). Once a token has reached the caller a failure is
 final, and surfaces with the same status code. Other codes (INVALID_ARGUMENT,
 RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED, ...) pass through at once, with the worker's message.
 
@@ -31,7 +32,8 @@ from opentelemetry.context import Context
 from engine.errors import AbortedError, DeadlineExceededError, UnavailableError
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
-from gateway.router import Route, Router, WorkerKind
+from gateway.router import Router
+from gateway.workers import Route, WorkerKind
 from protos.baton.v1 import worker_pb2, worker_pb2_grpc
 from rpc.channels import ChannelCache
 from rpc.convert import output_from_decode_response, sampling_params_to_proto
@@ -89,11 +91,17 @@ class Dispatcher:
         )
         failed_prefill: list[str] = []
         metadata = metadata_for(job.trace_context)
+        failed_decode: list[str] = []
         for attempt in range(1, self._max_attempts + 1):
             with span(
                 self._tracer, "gateway.route", job.trace_context, request_id=job.request_id
             ) as route_span:
-                route = self._router.pick(len(job.prompt_token_ids), avoid_prefill=failed_prefill)
+                route = await self._router.route(
+                    len(job.prompt_token_ids),
+                    avoid_prefill=failed_prefill,
+                    avoid_decode=failed_decode,
+                    timeout=None if deadline is None else deadline - loop.time(),
+                )
                 route_span.set_attribute("baton.attempt", attempt)
                 route_span.set_attribute("baton.decode", route.decode)
                 if route.prefill:
@@ -106,11 +114,12 @@ class Dispatcher:
             request.prefill_address = route.prefill
             started = False
             try:
-                attempt_outs = self._attempt(route, request, remaining, metadata)
-                async with contextlib.aclosing(attempt_outs) as outs:
-                    async for out in outs:
-                        started = started or bool(out.new_token_ids) or out.finished
-                        yield out
+                with self._router.using(route):
+                    attempt_outs = self._attempt(route, request, remaining, metadata)
+                    async with contextlib.aclosing(attempt_outs) as outs:
+                        async for out in outs:
+                            started = started or bool(out.new_token_ids) or out.finished
+                            yield out
                 return
             except (UnavailableError, AbortedError) as exc:
                 if started or attempt == self._max_attempts:
@@ -128,7 +137,8 @@ class Dispatcher:
                 )
                 if route.prefill:
                     failed_prefill.append(route.prefill)
-                await self._probe(route)
+                if not await self._probe(route):
+                    failed_decode.append(route.decode)
 
     async def _attempt(
         self,
@@ -174,10 +184,11 @@ class Dispatcher:
             if call.cancel():
                 logger.info("request %s: cancelled the Decode call on %s", rid, route.decode)
 
-    async def _probe(self, route: Route) -> None:
-        """Refresh the health of the workers a failed attempt used, so the retry avoids
-        the ones that are down."""
+    async def _probe(self, route: Route) -> bool:
+        """Refresh the health of the workers a failed attempt used; True when the decode
+        worker answered as serving (the retry moves off it otherwise)."""
         probes = [self._router.probe(route.decode, WorkerKind.DECODE)]
         if route.prefill:
             probes.append(self._router.probe(route.prefill, WorkerKind.PREFILL))
-        await asyncio.gather(*probes)
+        answered = await asyncio.gather(*probes, return_exceptions=True)
+        return answered[0] is True

@@ -34,6 +34,7 @@ from opentelemetry.context import Context
 
 from engine.errors import DeadlineExceededError
 from gateway.dispatcher import DecodeJob, Dispatcher
+from gateway.metrics import GatewayMetrics, RequestTrack
 from gateway.output_processor import GenerateDelta, OutputProcessor
 from gateway.served_model import ModelCard, ServedModel
 from gateway.tokenizer import Tokenizer
@@ -51,17 +52,23 @@ class RequestTrace:
 
     root: trace.Span
     context: Context
+    track: RequestTrack | None = None  # the request's metrics, when the gateway has them
 
 
 class Generation:
     """Runs requests for the front ends. One per gateway."""
 
     def __init__(
-        self, model: ServedModel, dispatcher: Dispatcher, tracer: trace.Tracer | None = None
+        self,
+        model: ServedModel,
+        dispatcher: Dispatcher,
+        tracer: trace.Tracer | None = None,
+        metrics: GatewayMetrics | None = None,
     ) -> None:
         self._model = model
         self._dispatcher = dispatcher
         self._tracer = tracer or trace.NoOpTracer()
+        self._metrics = metrics
         # Client-chosen ids of requests in flight here: a duplicate would make logs,
         # cancellation and usage ambiguous, so it is refused.
         self._in_flight: set[str] = set()
@@ -73,10 +80,22 @@ class Generation:
     @contextlib.contextmanager
     def request_span(self, api: str, parent: Context) -> Iterator[RequestTrace]:
         """The request's root span, ``gateway.request`` (kind SERVER), under ``parent``
-        (the caller's context); ``api`` names the front end and endpoint."""
-        with span(self._tracer, "gateway.request", parent, kind=trace.SpanKind.SERVER) as root:
-            root.set_attribute("baton.api", api)
-            yield RequestTrace(root=root, context=child_context(root))
+        (the caller's context); ``api`` names the front end and endpoint. Also the
+        request's metrics: counted by the status it ends with, whichever front end."""
+        track = self._metrics.track() if self._metrics is not None else None
+        error: BaseException | None = None
+        try:
+            with span(
+                self._tracer, "gateway.request", parent, kind=trace.SpanKind.SERVER
+            ) as root:
+                root.set_attribute("baton.api", api)
+                yield RequestTrace(root=root, context=child_context(root), track=track)
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            if track is not None:
+                track.finish(error)
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -164,6 +183,8 @@ class Generation:
                             final = delta  # leaving the loop cancels decode if still going
                             break
                         if delta.has_content:
+                            if tr.track is not None:
+                                tr.track.tokens(len(delta.token_ids))
                             yield delta
             except (asyncio.CancelledError, GeneratorExit):
                 past = deadline is not None and loop.time() >= deadline
@@ -182,6 +203,8 @@ class Generation:
             processor.num_completion_tokens,
             time.monotonic() - began,
         )
+        if tr.track is not None:
+            tr.track.tokens(len(final.token_ids))
         yield final
 
     async def _prompt_token_ids(self, req: GenerateInput) -> list[int]:

@@ -1,109 +1,57 @@
 """Which workers a request goes to: the decode and prefill fleets, their load, their health.
 
-A background task polls every worker's ``Stats`` (each call with its own deadline). A
-worker is *up* once it has answered and *down* after a failed poll or a failed request
-(UNAVAILABLE, DEADLINE_EXCEEDED or any other error: a worker that cannot report its load
-is not routed to); it comes back by answering again. Picks use the latest stats plus the
-picks made since, so a burst between two polls spreads out:
+Fleets are gRPC-style targets (``gateway.discovery``): fixed ``HOST:PORT`` addresses, or
+``dns:///NAME:PORT`` names that are looked up again every ``resolve_interval_s`` and soon
+after a failure. A worker that appears in an answer is polled, and routed to once it
+answers ``Stats`` (which a server admits only while SERVING). A worker that leaves the
+answer is no longer routed to and is forgotten; its channel is closed only once the
+streams that were using it have ended, so leaving never disturbs a stream in flight.
+
+Every worker's ``Stats`` is polled on its own task (each call with its own deadline). A
+worker is *up* while its last answer said it serves and that answer is at most
+``down_after_s`` old: one missed poll (a busy engine, a dropped connection) does not take
+it out of rotation, silence does. A worker whose health says NOT_SERVING (it is draining
+on SIGTERM, or still starting) is out at once. Picks use the latest stats plus the picks
+made since, so a burst between two polls spreads out:
 
 - decode: the most free KV blocks per unit of load (running + waiting + waiting for KV);
 - prefill: the fewest queued prompt tokens.
 
-With no prefill addresses the gateway runs in single-process mode: decode workers run
-prompts themselves and ``Route.prefill`` is empty.
+A request that finds no worker of a kind it needs up waits up to ``wait_for_worker_s``
+(never past its deadline) for one to answer, then fails with UNAVAILABLE saying for how
+long none has answered. With no prefill targets the gateway runs in single-process mode:
+decode workers run prompts themselves and ``Route.prefill`` is empty.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import logging
 import time
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Iterator, Sequence
 
 import grpc
 import grpc.aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.errors import UnavailableError
+from gateway.discovery import Fleet, Resolver, system_resolver
+from gateway.workers import ACCEPTED_ROLES, NOT_POLLED, Route, WorkerKind, WorkerState, host_of
 from protos.baton.v1 import worker_pb2, worker_pb2_grpc
 from rpc.channels import ChannelCache
 
 logger = logging.getLogger(__name__)
 
-
-class WorkerKind(enum.Enum):
-    DECODE = "decode"
-    PREFILL = "prefill"
-
-
-# The roles a worker listed under each kind may report (UNSPECIFIED: not told, accepted).
-_ACCEPTED_ROLES = {
-    WorkerKind.DECODE: {
-        worker_pb2.WORKER_ROLE_UNSPECIFIED,
-        worker_pb2.WORKER_ROLE_DECODE,
-        worker_pb2.WORKER_ROLE_BOTH,
-    },
-    WorkerKind.PREFILL: {
-        worker_pb2.WORKER_ROLE_UNSPECIFIED,
-        worker_pb2.WORKER_ROLE_PREFILL,
-        worker_pb2.WORKER_ROLE_BOTH,
-    },
-}
-
-
-_NOT_POLLED = "not polled yet"
-
-
-@dataclass(frozen=True, slots=True)
-class Route:
-    """Where one attempt of a request goes."""
-
-    decode: str  # host:port
-    prefill: str  # host:port; "" in single-process mode
-
-
-@dataclass(slots=True)
-class WorkerState:
-    """What the router knows of one worker, from its last Stats and the picks since."""
-
-    address: str
-    kind: WorkerKind
-    up: bool = False
-    incarnation_id: str = ""
-    total_kv_blocks: int = 0
-    free_kv_blocks: int = 0
-    load: int = 0  # running + waiting + waiting for KV
-    queued_prompt_tokens: int = 0
-    picks_since_poll: int = 0
-    prompt_tokens_since_poll: int = 0
-    last_error: str = _NOT_POLLED
-    last_seen: float = 0.0  # time.monotonic() of the last answer
-
-    def decode_score(self) -> float:
-        """Higher is better: free blocks per unit of (reported + recently added) load."""
-        return self.free_kv_blocks / (1 + self.load + self.picks_since_poll)
-
-    def prefill_score(self) -> int:
-        """Lower is better: prompt tokens waiting to be computed."""
-        return self.queued_prompt_tokens + self.prompt_tokens_since_poll
-
-    def update(self, stats: worker_pb2.WorkerStats) -> None:
-        self.incarnation_id = stats.incarnation_id
-        self.total_kv_blocks = stats.total_kv_blocks
-        self.free_kv_blocks = stats.free_kv_blocks
-        self.load = stats.num_running + stats.num_waiting + stats.num_waiting_for_kv
-        self.queued_prompt_tokens = stats.queued_prompt_tokens
-        self.picks_since_poll = 0
-        self.prompt_tokens_since_poll = 0
-        self.last_seen = time.monotonic()
+# After a failure asks for a fresh lookup, the next one waits at least this long after
+# the previous one, so a burst of failures is one lookup, not a storm.
+_MIN_RESOLVE_GAP_S = 0.5
 
 
 class Router:
-    """Worker lists, health and picks. ``start`` once, ``close`` once (twice is harmless).
+    """Fleets, health and picks. ``start`` once, ``close`` once (twice is harmless).
 
-    Owned by one event loop; ``pick`` never blocks.
+    Owned by one event loop; ``pick`` never blocks, ``route`` waits for a worker.
     """
 
     def __init__(
@@ -112,48 +60,81 @@ class Router:
         prefill: Sequence[str],
         channels: ChannelCache,
         *,
+        resolver: Resolver = system_resolver,
         poll_interval_s: float = 0.25,
         stats_timeout_s: float = 1.0,
+        down_after_s: float = 3.0,
+        resolve_interval_s: float = 5.0,
+        wait_for_worker_s: float = 3.0,
+        same_host_prefill: bool = False,
     ) -> None:
         if not decode:
-            raise ValueError("decode must list at least one worker address")
-        for kind, addresses in (("decode", decode), ("prefill", prefill)):
-            for address in addresses:
-                if ":" not in address:
-                    raise ValueError(f"{kind} address must be 'host:port', got {address!r}")
-            if len(set(addresses)) != len(addresses):
-                raise ValueError(f"{kind} lists an address twice: {list(addresses)}")
-        if poll_interval_s <= 0:
-            raise ValueError(f"poll_interval_s must be > 0, got {poll_interval_s}")
-        if stats_timeout_s <= 0:
-            raise ValueError(f"stats_timeout_s must be > 0, got {stats_timeout_s}")
-        self._decode = [WorkerState(a, WorkerKind.DECODE) for a in decode]
-        self._prefill = [WorkerState(a, WorkerKind.PREFILL) for a in prefill]
+            raise ValueError("decode must list at least one worker target")
+        for name, value in (
+            ("poll_interval_s", poll_interval_s),
+            ("stats_timeout_s", stats_timeout_s),
+            ("down_after_s", down_after_s),
+            ("resolve_interval_s", resolve_interval_s),
+        ):
+            if value <= 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        if wait_for_worker_s < 0:
+            raise ValueError(f"wait_for_worker_s must be >= 0, got {wait_for_worker_s}")
+        self._fleets = {
+            WorkerKind.DECODE: Fleet("decode", decode, resolver),
+            WorkerKind.PREFILL: Fleet("prefill", prefill, resolver),
+        }
         self._channels = channels
         self._poll_interval_s = poll_interval_s
         self._stats_timeout_s = stats_timeout_s
+        self._down_after_s = down_after_s
+        self._resolve_interval_s = resolve_interval_s
+        self._wait_for_worker_s = wait_for_worker_s
+        self._same_host_prefill = same_host_prefill
+        self._workers: dict[WorkerKind, dict[str, WorkerState]] = {k: {} for k in WorkerKind}
+        self._polls: dict[tuple[WorkerKind, str], asyncio.Task[None]] = {}
+        self._resolve_task: asyncio.Task[None] | None = None
+        self._resolve_soon = asyncio.Event()
+        self._changed = asyncio.Event()  # set (and replaced) whenever a worker comes up
         self._decode_up = asyncio.Event()
-        self._tasks: list[asyncio.Task[None]] = []
+        self._drops: set[asyncio.Task[None]] = set()
+        self._started_at = time.monotonic()
+        # When a worker of each kind last answered as serving (survives forgetting it).
+        self._last_answer: dict[WorkerKind, float] = {}
+        self._started = False
+        for kind, fleet in self._fleets.items():
+            self._sync(kind, fleet.addresses())
 
     @property
     def single_process(self) -> bool:
-        """True when no prefill workers are configured: decode runs prompts itself."""
-        return not self._prefill
+        """True when no prefill targets are configured: decode runs prompts itself."""
+        return not self._fleets[WorkerKind.PREFILL].targets
 
     @property
     def workers(self) -> tuple[WorkerState, ...]:
-        return (*self._decode, *self._prefill)
+        """Every known worker, decode first, each fleet in discovery order."""
+        return (
+            *self._workers[WorkerKind.DECODE].values(),
+            *self._workers[WorkerKind.PREFILL].values(),
+        )
 
     def start(self) -> None:
-        """Begin polling: one task per worker, so a worker that hangs delays no other."""
-        if not self._tasks:
-            self._tasks = [
-                asyncio.create_task(self._poll_forever(w), name=f"poll-{w.kind.value}-{w.address}")
-                for w in self.workers
-            ]
+        """Begin polling (one task per worker, so one that hangs delays no other) and, when
+        a fleet is named by DNS, resolving."""
+        if self._started:
+            return
+        self._started = True
+        self._started_at = time.monotonic()
+        for worker in self.workers:
+            self._start_poll(worker)
+        if any(f.dynamic for f in self._fleets.values()):
+            self._resolve_task = asyncio.create_task(self._resolve_forever(), name="resolve")
 
     async def close(self) -> None:
-        tasks, self._tasks = self._tasks, []
+        tasks = [*self._polls.values(), *self._drops]
+        if self._resolve_task is not None:
+            tasks.append(self._resolve_task)
+        self._polls, self._resolve_task, self._drops = {}, None, set()
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -165,46 +146,214 @@ class Router:
         self.start()
         await self._decode_up.wait()
 
-    def pick(self, num_prompt_tokens: int, *, avoid_prefill: Collection[str] = ()) -> Route:
-        """The best decode worker and the best prefill worker, preferring prefill workers
-        not in ``avoid_prefill`` (ones a failed attempt used). Raises UnavailableError when
-        no worker of a needed kind is up."""
-        decode = self._best_decode()
+    async def refresh(self) -> None:
+        """Resolve every fleet now and apply the answers (also done on a timer)."""
+        for kind, fleet in self._fleets.items():
+            if fleet.dynamic:
+                self._sync(kind, await fleet.resolve())
+
+    # -- picking ------------------------------------------------------------------------
+
+    def pick(
+        self,
+        num_prompt_tokens: int,
+        *,
+        avoid_prefill: Collection[str] = (),
+        avoid_decode: Collection[str] = (),
+    ) -> Route:
+        """The best decode worker and the best prefill worker, preferring ones not in the
+        ``avoid_*`` sets (ones a failed attempt used) while another is up. With
+        ``same_host_prefill`` both are on one host. Raises UnavailableError when no worker
+        (pair) of a needed kind is up."""
+        if self._same_host_prefill and not self.single_process:
+            hosts = {host_of(w.address) for w in self._workers[WorkerKind.PREFILL].values() if w.up}
+            decode = self._best(
+                WorkerKind.DECODE, avoid_decode, lambda w: host_of(w.address) in hosts
+            )
+            chosen = self._best(
+                WorkerKind.PREFILL,
+                avoid_prefill,
+                lambda w: host_of(w.address) == host_of(decode.address),
+            )
+            chosen.prompt_tokens_since_poll += num_prompt_tokens
+            decode.picks_since_poll += 1
+            return Route(decode=decode.address, prefill=chosen.address)
+        decode = self._best(WorkerKind.DECODE, avoid_decode)
         prefill = ""
-        if self._prefill:
-            chosen = self._best_prefill(avoid_prefill)
+        if not self.single_process:
+            chosen = self._best(WorkerKind.PREFILL, avoid_prefill)
             chosen.prompt_tokens_since_poll += num_prompt_tokens
             prefill = chosen.address
         decode.picks_since_poll += 1
         return Route(decode=decode.address, prefill=prefill)
 
+    async def route(
+        self,
+        num_prompt_tokens: int,
+        *,
+        avoid_prefill: Collection[str] = (),
+        avoid_decode: Collection[str] = (),
+        timeout: float | None = None,
+    ) -> Route:
+        """:meth:`pick`, waiting up to ``wait_for_worker_s`` (and at most ``timeout``) for
+        a worker of each needed kind to be up; then UnavailableError saying how long none
+        has answered."""
+        loop = asyncio.get_running_loop()
+        limit = (
+            self._wait_for_worker_s if timeout is None else min(self._wait_for_worker_s, timeout)
+        )
+        give_up = loop.time() + max(0.0, limit)
+        while True:
+            changed = self._changed
+            try:
+                return self.pick(
+                    num_prompt_tokens, avoid_prefill=avoid_prefill, avoid_decode=avoid_decode
+                )
+            except UnavailableError:
+                left = give_up - loop.time()
+                if left <= 0:
+                    raise
+                self._resolve_soon.set()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changed.wait(), left)
+
+    @contextlib.contextmanager
+    def using(self, route: Route) -> Iterator[None]:
+        """Count a stream on the workers of ``route`` while it runs, so a worker that left
+        its fleet keeps its channel until its last stream has ended."""
+        held = [
+            w
+            for kind, address in (
+                (WorkerKind.DECODE, route.decode),
+                (WorkerKind.PREFILL, route.prefill),
+            )
+            if address and (w := self._workers[kind].get(address)) is not None
+        ]
+        for worker in held:
+            worker.in_flight += 1
+        try:
+            yield
+        finally:
+            for worker in held:
+                worker.in_flight -= 1
+                if worker.left and worker.in_flight == 0:
+                    self._forget(worker)
+
     async def probe(self, address: str, kind: WorkerKind = WorkerKind.DECODE) -> bool:
-        """Ask one worker for Stats now (after a failed request); True when it is up."""
-        for worker in self._workers_of(kind):
-            if worker.address == address:
-                await self._poll(worker)
-                return worker.up
-        raise ValueError(f"{kind.value} worker {address!r} is not configured")
+        """Ask one worker for Stats now (after a failed request), and have the fleets looked
+        up again soon. True when it answered as serving."""
+        self._resolve_soon.set()
+        worker = self._workers[kind].get(address)
+        if worker is None:
+            raise ValueError(f"{kind.value} worker {address!r} is not known")
+        return await self._poll(worker)
 
-    def _workers_of(self, kind: WorkerKind) -> list[WorkerState]:
-        return self._decode if kind is WorkerKind.DECODE else self._prefill
-
-    def _best_decode(self) -> WorkerState:
-        up = [(i, w) for i, w in enumerate(self._decode) if w.up]
+    def _best(
+        self,
+        kind: WorkerKind,
+        avoid: Collection[str],
+        allowed: Callable[[WorkerState], bool] = lambda w: True,
+    ) -> WorkerState:
+        workers = list(self._workers[kind].values())
+        up = [(i, w) for i, w in enumerate(workers) if w.up]
+        if not up:
+            raise UnavailableError(self._none_up(kind, workers))
+        up = [(i, w) for i, w in up if allowed(w)]
         if not up:
             raise UnavailableError(
-                f"no decode worker is up ({len(self._decode)} configured); retry later"
+                f"no {kind.value} worker is up on the same host as an up "
+                f"{'prefill' if kind is WorkerKind.DECODE else 'decode'} worker "
+                "(same-host pairing of co-located workers); retry later"
             )
-        return max(up, key=lambda iw: (iw[1].decode_score(), -iw[0]))[1]
+        fresh = [(i, w) for i, w in up if w.address not in avoid] or up
+        if kind is WorkerKind.DECODE:
+            return max(fresh, key=lambda iw: (iw[1].decode_score(), -iw[0]))[1]
+        return min(fresh, key=lambda iw: (iw[1].prefill_score(), iw[0]))[1]
 
-    def _best_prefill(self, avoid: Collection[str]) -> WorkerState:
-        up = [(i, w) for i, w in enumerate(self._prefill) if w.up]
-        if not up:
-            raise UnavailableError(
-                f"no prefill worker is up ({len(self._prefill)} configured); retry later"
+    def _none_up(self, kind: WorkerKind, workers: list[WorkerState]) -> str:
+        targets = ", ".join(t.text for t in self._fleets[kind].targets)
+        if not workers:
+            return f"no {kind.value} worker is up: {targets} resolve(s) to no address; retry later"
+        now = time.monotonic()
+        last = self._last_answer.get(kind)
+        if last is None:
+            silence = (
+                f"none has answered since the gateway started {now - self._started_at:.1f}s ago"
             )
-        fresh = [(i, w) for i, w in up if w.address not in avoid]
-        return min(fresh or up, key=lambda iw: (iw[1].prefill_score(), iw[0]))[1]
+        else:
+            silence = f"none has answered as serving for {now - last:.1f}s"
+        errors = "; ".join(f"{w.address}: {w.last_error or 'silent'}" for w in workers[:4])
+        return (
+            f"no {kind.value} worker is up ({len(workers)} known from {targets}): {silence} "
+            f"(down after {self._down_after_s:g}s without an answer) [{errors}]; retry later"
+        )
+
+    # -- the fleets ---------------------------------------------------------------------
+
+    async def _resolve_forever(self) -> None:
+        last = 0.0
+        while True:
+            gap = time.monotonic() - last
+            if gap < _MIN_RESOLVE_GAP_S:
+                await asyncio.sleep(_MIN_RESOLVE_GAP_S - gap)
+            self._resolve_soon.clear()
+            last = time.monotonic()
+            try:
+                await self.refresh()
+            except Exception:  # a resolver bug must not stop discovery for good
+                logger.exception("resolving the worker fleets failed")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._resolve_soon.wait(), self._resolve_interval_s)
+
+    def _sync(self, kind: WorkerKind, addresses: Sequence[str]) -> None:
+        """Make the known workers of ``kind`` the ones in ``addresses``."""
+        known = self._workers[kind]
+        for address in addresses:
+            worker = known.get(address)
+            if worker is None:
+                worker = WorkerState(address, kind, down_after_s=self._down_after_s)
+                known[address] = worker
+                if self._started:
+                    logger.info("%s worker %s appeared; polling it", kind.value, address)
+                    self._start_poll(worker)
+            elif worker.left:  # back before its last stream ended: keep it
+                worker.left = False
+        gone = set(known) - set(addresses)
+        for address in gone:
+            worker = known[address]
+            if not worker.left:
+                logger.info(
+                    "%s worker %s left its fleet; no new requests go to it (%d in flight)",
+                    kind.value,
+                    address,
+                    worker.in_flight,
+                )
+                worker.left = True
+            if worker.in_flight == 0:
+                self._forget(worker)
+
+    def _forget(self, worker: WorkerState) -> None:
+        known = self._workers[worker.kind]
+        if known.get(worker.address) is not worker:
+            return
+        del known[worker.address]
+        poll = self._polls.pop((worker.kind, worker.address), None)
+        if poll is not None:
+            poll.cancel()
+        if not any(worker.address in ws for ws in self._workers.values()):
+            task = asyncio.get_running_loop().create_task(self._channels.drop(worker.address))
+            self._drops.add(task)
+            task.add_done_callback(self._drops.discard)
+        logger.info("%s worker %s forgotten", worker.kind.value, worker.address)
+
+    # -- polling ------------------------------------------------------------------------
+
+    def _start_poll(self, worker: WorkerState) -> None:
+        key = (worker.kind, worker.address)
+        if key not in self._polls:
+            self._polls[key] = asyncio.create_task(
+                self._poll_forever(worker), name=f"poll-{worker.kind.value}-{worker.address}"
+            )
 
     async def _poll_forever(self, worker: WorkerState) -> None:
         while True:
@@ -213,7 +362,9 @@ class Router:
             elapsed = time.monotonic() - began
             await asyncio.sleep(max(0.0, self._poll_interval_s - elapsed))
 
-    async def _poll(self, worker: WorkerState) -> None:
+    async def _poll(self, worker: WorkerState) -> bool:
+        """One Stats call; True when the worker answered as serving."""
+        was_up = worker.up
         channel = self._channels.get(worker.address)
         stub: worker_pb2_grpc.DecodeWorkerStub | worker_pb2_grpc.PrefillWorkerStub
         if worker.kind is WorkerKind.DECODE:
@@ -223,17 +374,37 @@ class Router:
         try:
             stats = await stub.Stats(worker_pb2.StatsRequest(), timeout=self._stats_timeout_s)
         except grpc.aio.AioRpcError as err:
-            self._mark_down(worker, f"Stats failed with {err.code().name}: {err.details()}")
-            return
-        if stats.role not in _ACCEPTED_ROLES[worker.kind]:
+            reason = f"Stats failed with {err.code().name}: {err.details()}"
+            if err.code() is grpc.StatusCode.UNAVAILABLE and await self._not_serving(channel):
+                worker.serving = False  # draining or starting: out of rotation at once
+                reason = f"health is NOT_SERVING ({err.details()})"
+            self._missed(worker, reason, was_up)
+            return False
+        if stats.role not in ACCEPTED_ROLES[worker.kind]:
             role = worker_pb2.WorkerRole.Name(stats.role)
-            self._mark_down(worker, f"it reports role {role}, not usable as {worker.kind.value}")
-            return
-        self._mark_up(worker, stats)
+            worker.serving = False
+            self._missed(
+                worker, f"it reports role {role}, not usable as {worker.kind.value}", was_up
+            )
+            return False
+        self._answered(worker, stats, was_up)
+        return True
 
-    def _mark_up(self, worker: WorkerState, stats: worker_pb2.WorkerStats) -> None:
+    async def _not_serving(self, channel: grpc.aio.Channel) -> bool:
+        """True when the worker's grpc.health.v1 says NOT_SERVING (not: when it is silent)."""
+        try:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=self._stats_timeout_s
+            )
+        except grpc.aio.AioRpcError:
+            return False
+        return reply.status != health_pb2.HealthCheckResponse.SERVING
+
+    def _answered(self, worker: WorkerState, stats: worker_pb2.WorkerStats, was_up: bool) -> None:
         restarted = worker.incarnation_id and worker.incarnation_id != stats.incarnation_id
-        if not worker.up or restarted:
+        worker.update(stats)
+        self._last_answer[worker.kind] = worker.last_seen
+        if not was_up or restarted:
             logger.info(
                 "%s worker %s is up (incarnation %s%s)",
                 worker.kind.value,
@@ -241,16 +412,20 @@ class Router:
                 stats.incarnation_id or "?",
                 ", restarted" if restarted else "",
             )
-        worker.update(stats)
-        worker.up = True
-        worker.last_error = ""
+            self._changed.set()
+            self._changed = asyncio.Event()
         if worker.kind is WorkerKind.DECODE:
             self._decode_up.set()
 
-    def _mark_down(self, worker: WorkerState, reason: str) -> None:
-        # Warn on the way down (and on the first poll); repeats of a known outage are noise.
-        first = worker.last_seen == 0.0 and worker.last_error == _NOT_POLLED
-        log = logger.warning if worker.up or first else logger.debug
-        log("%s worker %s is down: %s", worker.kind.value, worker.address, reason)
-        worker.up = False
+    def _missed(self, worker: WorkerState, reason: str, was_up: bool) -> None:
+        first = worker.last_error == NOT_POLLED
         worker.last_error = reason
+        if was_up and not worker.up:
+            logger.warning("%s worker %s is down: %s", worker.kind.value, worker.address, reason)
+        elif first or was_up:
+            # The first poll of a starting worker, or a miss that is tolerated for now.
+            logger.info("%s worker %s: %s", worker.kind.value, worker.address, reason)
+        else:
+            logger.debug("%s worker %s: %s", worker.kind.value, worker.address, reason)
+        if was_up:
+            self._resolve_soon.set()  # it may have been replaced: look the fleet up again

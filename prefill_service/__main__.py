@@ -1,27 +1,35 @@
-"""``python -m prefill_service``: run a prefill worker until SIGTERM. Flags: rpc.worker_config."""
+"""``python -m prefill_service``: run a prefill worker until SIGTERM. Flags: rpc.worker_config.
+
+``--check-config`` parses the flags and their environment twins, prints the resolved
+configuration as JSON and exits (0), or prints the error and exits 2, starting nothing.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import sys
 from collections.abc import Sequence
 
-from prefill_service.servicer import SERVICE_NAME, PrefillServicer
 from protos.baton.v1 import worker_pb2_grpc
+from rpc.metrics import WorkerCollector, WorkerSampler, metrics_endpoint, new_registry
 from rpc.server import ServerSpec, serve
 from rpc.worker_config import WorkerConfig
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        cfg = WorkerConfig.from_args(
+        cfg, check_only = WorkerConfig.parse(
             "prefill", list(sys.argv[1:] if argv is None else argv), os.environ
         )
     except ValueError as err:
         print(f"prefill_service: {err}", file=sys.stderr)
         return 2
+    if check_only:
+        print(cfg.describe())
+        return 0
     logging.basicConfig(
         level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -34,6 +42,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 async def _run(cfg: WorkerConfig) -> None:
+    # Imported here, so that --check-config answers without loading torch.
+    from prefill_service.servicer import SERVICE_NAME, PrefillServicer
+
     servicer = PrefillServicer(cfg)
     spec = ServerSpec(
         name="prefill",
@@ -48,9 +59,28 @@ async def _run(cfg: WorkerConfig) -> None:
         port_file=cfg.port_file,
         fatal=servicer.fatal,
     )
+    registry = new_registry()
+    sampler = WorkerSampler(
+        lambda: servicer.engine.stats() if servicer.engine is not None else None
+    )
+    registry.register(
+        WorkerCollector(
+            "prefill",
+            sampler.snapshot,
+            lambda: servicer.outbox.tally.snapshot() if servicer.outbox is not None else None,
+        )
+    )
+    sampling = None  # the sampler asks the engine for stats: only when someone reads them
+    if cfg.metrics_port:
+        sampling = asyncio.create_task(sampler.run(), name="metrics-sampler")
     try:
-        await serve(spec)
+        with metrics_endpoint(registry, cfg.metrics_port, cfg.host):
+            await serve(spec)
     finally:
+        if sampling is not None:
+            sampling.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sampling
         await servicer.close()
 
 

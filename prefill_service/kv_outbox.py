@@ -14,6 +14,7 @@ import time
 import torch
 
 from engine.kv_layout import KVLayout
+from engine.stats import TransferTally
 from engine.transfer.base import KVDescriptor, KVSender, SendCompletion, SendJob
 from engine.transfer.factory import make_sender
 
@@ -26,6 +27,8 @@ class KVOutbox:
     ):
         self._loop = loop
         self._waiters: dict[str, asyncio.Future[SendCompletion]] = {}
+        self._started: dict[str, float] = {}  # request id -> when its send was queued
+        self.tally = TransferTally()  # every send's outcome, for the metrics endpoint
         self.sender: KVSender = make_sender(kind, kv_cache, layout, notify=self._notify)
 
     def send(
@@ -34,12 +37,14 @@ class KVOutbox:
         """Queue the copy; the future resolves with the job's completion (never raises)."""
         fut: asyncio.Future[SendCompletion] = self._loop.create_future()
         self._waiters[request_id] = fut
+        self._started[request_id] = time.monotonic()
         try:
             self.sender.submit(
                 SendJob(request_id, tuple(src_block_ids), desc, time.monotonic() + timeout_s)
             )
         except BaseException:
             self._waiters.pop(request_id, None)
+            self._started.pop(request_id, None)
             raise
         return fut
 
@@ -61,6 +66,10 @@ class KVOutbox:
 
     def _drain(self) -> None:
         for completion in self.sender.poll():
+            began = self._started.pop(completion.request_id, None)
+            if began is not None:
+                seconds = time.monotonic() - began
+                self.tally.record(seconds, completion.num_bytes, completion.error)
             fut = self._waiters.pop(completion.request_id, None)
             if fut is not None and not fut.done():
                 fut.set_result(completion)

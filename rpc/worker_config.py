@@ -3,12 +3,20 @@
 
 Every flag has an environment twin (``--max-num-seqs`` <-> ``BATON_DECODE_MAX_NUM_SEQS``
 for a decode worker); a flag given on the command line wins. Torch-free.
+
+Addresses: a worker listens on ``--host`` (``0.0.0.0``: every interface) and is reached
+at ``--advertise-host`` (in Kubernetes the pod IP, from the downward API through
+``BATON_<ROLE>_ADVERTISE_HOST``), which defaults to ``--host`` when that is one address.
+A gloo/nccl decode worker's rendezvous store listens on every interface at the port of
+``--transport-address`` and is advertised to prefill workers at that address, whose host
+part defaults to the advertise host (``0.0.0.0:29500`` -> ``<advertise host>:29500``).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +28,8 @@ from engine.transfer.base import check_transport_device
 ROLES = ("prefill", "decode", "both")
 TRANSPORTS = ("shm", "gloo", "cuda_ipc", "nccl")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+RENDEZVOUS_TRANSPORTS = ("gloo", "nccl")  # the ones whose peers dial an address
+WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,26 +38,49 @@ class WorkerConfig:
 
     role: str  # prefill | decode | both (prefill + decode in one engine, no transfer)
     engine: EngineConfig
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # where to listen; 0.0.0.0: every interface
     port: int = 0  # 0: any free port
+    # The address peers reach this worker at (gRPC and KV rendezvous); "": host itself.
+    advertise_host: str = ""
     port_file: Path | None = None  # the bound port is written here
     grace_s: float = 30.0  # drain time for in-flight requests on SIGTERM
     transport: str = "shm"  # KV transport: shm | gloo (CPU), cuda_ipc | nccl (GPU)
-    # gloo/nccl: host:port the decode worker's rendezvous store binds (port 0: any).
+    # shm: segment name (empty: random). gloo/nccl: host:port prefill workers reach the
+    # decode worker's rendezvous store at (it listens on every interface; port 0: any).
     transport_address: str = "127.0.0.1:0"
     # Longest a KV hand-off may take from reservation to verified arrival.
     transfer_timeout_s: float = 30.0
     # Decode: how long a request may queue for free KV blocks before RESOURCE_EXHAUSTED.
     reserve_timeout_s: float = 10.0
+    metrics_port: int = 0  # Prometheus metrics over HTTP on this port; 0: off
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port must be in [0, 65536), got {self.port}")
+        for name in ("port", "metrics_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ValueError(f"{name} must be in [0, 65536), got {getattr(self, name)}")
+        if self.metrics_port and self.metrics_port == self.port:
+            raise ValueError(f"metrics_port and port must differ, both are {self.port}")
+        if self.advertise_host in WILDCARD_HOSTS[1:]:
+            raise ValueError(
+                f"advertise_host must be an address peers can dial, got {self.advertise_host!r}"
+            )
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.transport in RENDEZVOUS_TRANSPORTS and self.role == "decode":
+            host, sep, port = self.transport_address.rpartition(":")
+            if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
+                raise ValueError(
+                    f"transport_address must be HOST:PORT for {self.transport}, "
+                    f"got {self.transport_address!r}"
+                )
+            if host in WILDCARD_HOSTS:
+                raise ValueError(
+                    f"transport_address {self.transport_address!r} is not an address prefill "
+                    "workers can dial: give --advertise-host (or a host in --transport-address)"
+                )
         for name in ("grace_s", "transfer_timeout_s", "reserve_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -56,9 +89,29 @@ class WorkerConfig:
         if self.role != "both":  # a single-process worker moves no KV
             check_transport_device(self.transport, self.engine.device)
 
+    @property
+    def reachable_host(self) -> str:
+        """The host peers dial: the advertise host, else the listening host."""
+        return self.advertise_host or self.host
+
+    def describe(self) -> str:
+        """The resolved configuration as one JSON object (what ``--check-config`` prints)."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields["engine"] = dataclasses.asdict(self.engine)
+        service = "prefill_service" if self.role == "prefill" else "decode_service"
+        return json.dumps({"service": service, "config": fields}, default=str, sort_keys=True)
+
     @classmethod
     def from_args(cls, role: str, argv: Sequence[str], env: Mapping[str, str]) -> WorkerConfig:
         """Parse ``argv`` over ``env`` for a worker of ``role``; ValueError for bad values."""
+        return cls.parse(role, argv, env)[0]
+
+    @classmethod
+    def parse(
+        cls, role: str, argv: Sequence[str], env: Mapping[str, str]
+    ) -> tuple[WorkerConfig, bool]:
+        """As :meth:`from_args`; also whether ``--check-config`` was given (print the
+        resolved config and exit, without starting anything)."""
         prefix = env_prefix(role)
         args = _parser(role, prefix).parse_args(list(argv))
         worker: dict[str, Any] = {}
@@ -76,7 +129,32 @@ class WorkerConfig:
             except ValueError as err:
                 raise ValueError(f"{source}={raw!r} is not valid: {err}") from err
             (engine if target == "engine" else worker)[name] = value
-        return cls(role=role, engine=EngineConfig(**engine), **worker)
+        _resolve_addresses(role, worker)
+        return cls(role=role, engine=EngineConfig(**engine), **worker), bool(args.check_config)
+
+
+def _resolve_addresses(role: str, worker: dict[str, Any]) -> None:
+    """Fill in what the address flags leave to their defaults (see the module doc)."""
+    host = worker.get("host", "127.0.0.1")
+    advertise = worker.get("advertise_host", "")
+    if not advertise and host not in WILDCARD_HOSTS:
+        advertise = host
+    if advertise:
+        worker["advertise_host"] = advertise
+    if worker.get("transport", "shm") not in RENDEZVOUS_TRANSPORTS:
+        return
+    store_host, sep, store_port = worker.get("transport_address", "").rpartition(":")
+    if not sep:  # none given: the advertise host, any free port
+        store_host, store_port = "", "0"
+    if store_host not in WILDCARD_HOSTS:
+        return
+    if advertise:
+        worker["transport_address"] = f"{advertise}:{store_port}"
+    elif role == "decode":
+        raise ValueError(
+            f"--host {host} with --transport {worker['transport']} needs --advertise-host: the "
+            "address prefill workers reach this decode worker's KV rendezvous store at"
+        )
 
 
 def env_prefix(role: str) -> str:
@@ -121,6 +199,8 @@ _FIELDS: dict[str, tuple[Callable[[str], Any], str]] = {
     "transport_address": (str, "worker"),
     "transfer_timeout_s": (float, "worker"),
     "reserve_timeout_s": (float, "worker"),
+    "advertise_host": (str, "worker"),
+    "metrics_port": (int, "worker"),
     "log_level": (str.upper, "worker"),
 }
 
@@ -140,11 +220,17 @@ _HELP = {
     "cache_dir": "where converted GGUF checkpoints are cached",
     "enforce_eager": "GPU: no CUDA graphs, every step runs eagerly (true/false)",
     "host": "interface to listen on",
+    "host": "interface to listen on; 0.0.0.0: every interface",
+    "advertise_host": "address peers reach this worker at, for gRPC and the KV rendezvous "
+    "(default: --host, unless that is 0.0.0.0)",
     "port": "port to listen on; 0 picks a free one",
     "port_file": "write the bound port to this file",
     "grace_s": "seconds in-flight requests may drain on SIGTERM",
     "transport": "KV transport: shm | gloo | cuda_ipc | nccl",
-    "transport_address": "gloo/nccl: host:port of the decode worker's rendezvous store",
+    "transport_address": "gloo/nccl: HOST:PORT prefill workers reach the decode worker's "
+    "rendezvous store at; it listens on every interface; HOST 0.0.0.0: the advertise host; "
+    "shm: segment name",
+    "metrics_port": "serve Prometheus metrics on this port; 0: off",
     "transfer_timeout_s": "longest a KV hand-off may take",
     "reserve_timeout_s": "decode: how long a request may wait for free KV blocks",
     "log_level": f"one of {', '.join(LOG_LEVELS)}",
@@ -177,4 +263,9 @@ def _parser(role: str, prefix: str) -> argparse.ArgumentParser:
         )
     for name in _FIELDS:
         p.add_argument("--" + name.replace("_", "-"), dest=name, help=_HELP[name])
+    p.add_argument(
+        "--check-config",
+        action="store_true",
+        help="print the resolved configuration as JSON and exit (2 on an error)",
+    )
     return p

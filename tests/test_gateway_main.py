@@ -62,7 +62,7 @@ def test_env_fills_what_flags_leave_out_and_flags_win() -> None:
     ("argv", "env", "named"),
     [
         ([], {}, "decode"),
-        (["--decode", "nocolon"], {}, "decode address"),
+        (["--decode", "nocolon"], {}, "decode: target .nocolon."),
         (["--decode", "a:1", "--port", "http"], {}, "--port"),
         (["--decode", "a:1"], {"BATON_GATEWAY_MAX_RETRIES": "many"}, "BATON_GATEWAY_MAX_RETRIES"),
         (["--decode", "a:1", "--max-retries", "-1"], {}, "max_retries"),
@@ -165,3 +165,21 @@ def test_help_lists_every_flag_and_the_env_prefix(capsys: pytest.CaptureFixture[
     for field in dataclasses.fields(GatewayConfig):
         assert "--" + field.name.replace("_", "-") in out
     assert "BATON_GATEWAY_" in out
+
+
+def test_check_config_prints_targets_from_the_env_twin(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    from gateway.__main__ import main
+
+    monkeypatch.setenv("BATON_GATEWAY_DECODE", "dns:///baton-decode:50053, 10.0.0.9:50053")
+    monkeypatch.setenv("BATON_GATEWAY_WORKER_DOWN_AFTER_S", "4.5")
+    assert main(["--check-config", "--prefill", "dns:///baton-prefill:50052"]) == 0
+    cfg = json.loads(capsys.readouterr().out)["config"]
+    assert cfg["decode"] == ["dns:///baton-decode:50053", "10.0.0.9:50053"]
+    assert cfg["prefill"] == ["dns:///baton-prefill:50052"]
+    assert cfg["worker_down_after_s"] == 4.5
+    assert main(["--check-config", "--decode", "dns:///no-port"]) == 2
+    assert "dns:///NAME:PORT" in capsys.readouterr().err

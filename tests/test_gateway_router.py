@@ -19,7 +19,6 @@ def router(decode: int = 2, prefill: int = 2) -> Router:
 def set_up(r: Router, address: str, **stats: int) -> None:
     worker = next(w for w in r.workers if w.address == address)
     worker.update(worker_pb2.WorkerStats(**stats))
-    worker.up = True
 
 
 def test_decode_with_most_free_blocks_per_load_and_least_queued_prefill() -> None:
@@ -73,13 +72,13 @@ def test_single_process_mode_has_no_prefill() -> None:
 def test_bad_worker_lists_are_refused() -> None:
     with pytest.raises(ValueError, match="decode must list"):
         Router([], [], ChannelCache())
-    with pytest.raises(ValueError, match="prefill lists an address twice"):
+    with pytest.raises(ValueError, match="prefill lists a target twice"):
         Router(["d:1"], ["p:1", "p:1"], ChannelCache())
-    with pytest.raises(ValueError, match="decode address"):
+    with pytest.raises(ValueError, match="target .nowhere. must be HOST:PORT"):
         Router(["nowhere"], [], ChannelCache())
 
 
 async def test_probe_of_an_unknown_worker_is_an_error() -> None:
     r = router()
-    with pytest.raises(ValueError, match="prefill worker 'd0:1' is not configured"):
+    with pytest.raises(ValueError, match="prefill worker 'd0:1' is not known"):
         await r.probe("d0:1", WorkerKind.PREFILL)

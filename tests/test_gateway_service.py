@@ -14,6 +14,8 @@ import grpc
 import grpc.aio
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine import errors
 from engine.model_files import ModelFiles
@@ -61,6 +63,9 @@ async def running_gateway(
     *,
     max_retries: int = 2,
     wait_ready: bool = True,
+    worker_down_after_s: float = 0.5,
+    wait_for_worker_s: float = 0.2,
+    registry: CollectorRegistry | None = None,
 ) -> AsyncIterator[Running]:
     config = GatewayConfig(
         decode=tuple(d.address for d in decode),
@@ -70,8 +75,10 @@ async def running_gateway(
         grace_s=1.0,
         stats_interval_s=0.05,
         stats_timeout_s=0.5,
+        worker_down_after_s=worker_down_after_s,
+        wait_for_worker_s=wait_for_worker_s,
     )
-    gateway = Gateway(config, model=model)
+    gateway = Gateway(config, model=model, registry=registry)
     server = RpcServer(gateway.spec())
     await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
@@ -279,7 +286,8 @@ async def test_failure_before_first_token_moves_off_a_decode_worker_that_is_down
     dying.script = Script(error=errors.UnavailableError("engine died"), go_down=True)
     async with fake_workers([dying, healthy]) as (d, _), running_gateway(model, d) as gw:
         got = await generate(gw.stub, text_request())
-        assert not gw.gateway.router.workers[0].up
+        # Silent for longer than worker_down_after_s: out of rotation.
+        await eventually(lambda: not gw.gateway.router.workers[0].up)
     assert (len(dying.requests), len(healthy.requests)) == (1, 1)
     assert got[-1].finish_reason == common_pb2.FINISH_REASON_STOP
 
@@ -394,3 +402,36 @@ async def test_serving_only_once_a_decode_worker_answers(model: ServedModel) -> 
         assert await status() == health_pb2.HealthCheckResponse.SERVING
         got = await generate(gw.stub, text_request())
     assert got[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+
+
+# --- metrics ----------------------------------------------------------------------------
+
+
+async def test_requests_latencies_and_workers_are_measured(model: ServedModel) -> None:
+    registry = CollectorRegistry()
+    decode = FakeDecodeWorker()
+    decode.script = Script(token_ids=[10, 11, 12, 13], delay_s=0.01)
+    async with (
+        fake_workers([decode]) as (d, _),
+        running_gateway(model, d, registry=registry, max_retries=0) as gw,
+    ):
+        await generate(gw.stub, text_request())
+        decode.script = Script(error=errors.ResourceExhaustedError("no free KV blocks"))
+        await generate_error(gw.stub, text_request())
+        bad = common_pb2.SamplingParameters(max_tokens=0)
+        await generate_error(gw.stub, text_request(sampling_params=bad))
+        text = generate_latest(registry).decode()
+    got = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    assert got[("baton_requests_total", (("status", "OK"),))] == 1
+    assert got[("baton_requests_total", (("status", "RESOURCE_EXHAUSTED"),))] == 1
+    assert got[("baton_requests_total", (("status", "INVALID_ARGUMENT"),))] == 1
+    assert got[("baton_time_to_first_token_seconds_count", ())] == 1
+    assert got[("baton_inter_token_latency_seconds_count", ())] == 3
+    assert got[("baton_e2e_request_latency_seconds_count", ())] == 3
+    assert got[("baton_streams_in_flight", ())] == 0
+    assert got[("baton_workers_up", (("kind", "decode"),))] == 1
+    assert got[("baton_workers_known", (("kind", "prefill"),))] == 0

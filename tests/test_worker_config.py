@@ -47,3 +47,64 @@ def test_bad_values_name_the_flag(argv: list[str], env: dict[str, str], needle: 
 def test_defaults_cover_every_flag() -> None:
     d = defaults("decode")
     assert d["transport"] == "shm" and d["block_size"] == 16 and d["max_num_seqs"] == 64
+
+
+def test_advertise_host_defaults_to_a_specific_listening_host() -> None:
+    assert WorkerConfig.from_args("decode", ["--host", "10.1.2.3"], {}).advertise_host == "10.1.2.3"
+    assert WorkerConfig.from_args("prefill", ["--host", "0.0.0.0"], {}).advertise_host == ""
+    env = {"BATON_PREFILL_ADVERTISE_HOST": "10.0.0.7", "BATON_PREFILL_HOST": "0.0.0.0"}
+    cfg = WorkerConfig.from_args("prefill", [], env)
+    assert (cfg.host, cfg.advertise_host, cfg.reachable_host) == ("0.0.0.0", "10.0.0.7", "10.0.0.7")
+
+
+@pytest.mark.parametrize(
+    ("argv", "address"),
+    [
+        # The store listens on every interface; peers dial the advertise host.
+        (["--transport-address", "0.0.0.0:29500"], "10.0.0.7:29500"),
+        (["--transport-address", ":29500"], "10.0.0.7:29500"),
+        ([], "10.0.0.7:0"),
+        (["--transport-address", "decode-0.example:29500"], "decode-0.example:29500"),
+    ],
+)
+def test_gloo_store_address_is_the_advertised_one(argv: list[str], address: str) -> None:
+    env = {"BATON_DECODE_HOST": "0.0.0.0", "BATON_DECODE_ADVERTISE_HOST": "10.0.0.7"}
+    cfg = WorkerConfig.from_args("decode", ["--transport", "gloo", *argv], env)
+    assert cfg.transport_address == address
+
+
+def test_a_store_nobody_can_dial_is_refused() -> None:
+    with pytest.raises(ValueError, match="needs --advertise-host"):
+        WorkerConfig.from_args("decode", ["--host", "0.0.0.0", "--transport", "nccl"], {})
+    with pytest.raises(ValueError, match="advertise_host must be an address"):
+        WorkerConfig.from_args("decode", ["--advertise-host", "0.0.0.0"], {})
+    with pytest.raises(ValueError, match="metrics_port and port must differ"):
+        WorkerConfig.from_args("decode", ["--port", "9000", "--metrics-port", "9000"], {})
+    # shm keeps its segment name; the wildcard rule is for dialled stores only.
+    shm = WorkerConfig.from_args("decode", ["--host", "0.0.0.0", "--transport", "shm"], {})
+    assert shm.transport_address == "127.0.0.1:0"
+
+
+@pytest.mark.parametrize("module", ["prefill_service", "decode_service"])
+def test_check_config_prints_the_resolved_config_or_the_error(
+    module: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import importlib
+    import json
+
+    main = importlib.import_module(f"{module}.__main__").main
+    prefix = "BATON_PREFILL_" if module == "prefill_service" else "BATON_DECODE_"
+    monkeypatch.setenv(prefix + "ADVERTISE_HOST", "10.0.0.7")
+    monkeypatch.setenv(prefix + "MAX_NUM_SEQS", "12")
+    assert main(["--check-config", "--host", "0.0.0.0", "--metrics-port", "9100"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["service"] == module
+    cfg = printed["config"]
+    assert (cfg["advertise_host"], cfg["metrics_port"], cfg["engine"]["max_num_seqs"]) == (
+        "10.0.0.7",
+        9100,
+        12,
+    )
+    monkeypatch.setenv(prefix + "MAX_NUM_SEQS", "lots")
+    assert main(["--check-config"]) == 2
+    assert f"{prefix}MAX_NUM_SEQS" in capsys.readouterr().err

@@ -1,0 +1,99 @@
+"""What the gateway's router knows of each worker, and where one request attempt goes.
+
+A :class:`WorkerState` holds one worker's last Stats and the picks made since; it is *up*
+while its last answer said it serves and is at most ``down_after_s`` old.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+
+from protos.baton.v1 import worker_pb2
+
+
+class WorkerKind(enum.Enum):
+    DECODE = "decode"
+    PREFILL = "prefill"
+
+
+# The roles a worker listed under each kind may report (UNSPECIFIED: not told, accepted).
+ACCEPTED_ROLES = {
+    WorkerKind.DECODE: {
+        worker_pb2.WORKER_ROLE_UNSPECIFIED,
+        worker_pb2.WORKER_ROLE_DECODE,
+        worker_pb2.WORKER_ROLE_BOTH,
+    },
+    WorkerKind.PREFILL: {
+        worker_pb2.WORKER_ROLE_UNSPECIFIED,
+        worker_pb2.WORKER_ROLE_PREFILL,
+        worker_pb2.WORKER_ROLE_BOTH,
+    },
+}
+
+NOT_POLLED = "not polled yet"
+
+
+def host_of(address: str) -> str:
+    """The host part of ``host:port``."""
+    return address.rpartition(":")[0]
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Where one attempt of a request goes."""
+
+    decode: str  # host:port
+    prefill: str  # host:port; "" in single-process mode
+
+
+@dataclass(slots=True)
+class WorkerState:
+    """What the router knows of one worker, from its last Stats and the picks since."""
+
+    address: str
+    kind: WorkerKind
+    down_after_s: float = 3.0  # how long without a serving answer before it is down
+    serving: bool = False  # its last answer said it serves (Stats answered, right role)
+    incarnation_id: str = ""
+    total_kv_blocks: int = 0
+    free_kv_blocks: int = 0
+    load: int = 0  # running + waiting + waiting for KV
+    queued_prompt_tokens: int = 0
+    picks_since_poll: int = 0
+    prompt_tokens_since_poll: int = 0
+    last_error: str = NOT_POLLED
+    last_seen: float = 0.0  # time.monotonic() of the last serving answer
+    in_flight: int = 0  # streams routed here that have not ended
+    left: bool = False  # no longer in its fleet's answer: forgotten once in_flight is 0
+
+    @property
+    def up(self) -> bool:
+        """Routable: it said it serves, not longer than ``down_after_s`` ago."""
+        return (
+            self.serving
+            and not self.left
+            and time.monotonic() - self.last_seen <= self.down_after_s
+        )
+
+    def decode_score(self) -> float:
+        """Higher is better: free blocks per unit of (reported + recently added) load."""
+        return self.free_kv_blocks / (1 + self.load + self.picks_since_poll)
+
+    def prefill_score(self) -> int:
+        """Lower is better: prompt tokens waiting to be computed."""
+        return self.queued_prompt_tokens + self.prompt_tokens_since_poll
+
+    def update(self, stats: worker_pb2.WorkerStats) -> None:
+        """Take a serving answer: its load, and now as the last time it was seen."""
+        self.incarnation_id = stats.incarnation_id
+        self.total_kv_blocks = stats.total_kv_blocks
+        self.free_kv_blocks = stats.free_kv_blocks
+        self.load = stats.num_running + stats.num_waiting + stats.num_waiting_for_kv
+        self.queued_prompt_tokens = stats.queued_prompt_tokens
+        self.picks_since_poll = 0
+        self.prompt_tokens_since_poll = 0
+        self.serving = True
+        self.last_error = ""
+        self.last_seen = time.monotonic()

@@ -1,0 +1,227 @@
+{{/*
+Names, labels and the one role-parameterised container: every Deployment of the chart
+is rendered from these by templates/deployment.yaml.
+*/}}
+
+{{- define "baton.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "baton.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 45 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 45 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 45 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Labels of every object; pass (dict "root" $ "component" NAME). */}}
+{{- define "baton.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace "+" "_" }}
+app.kubernetes.io/name: {{ include "baton.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+app.kubernetes.io/part-of: baton
+{{- if .component }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+{{- end }}
+
+{{/* Selector labels of one workload; pass (dict "root" $ "component" NAME). */}}
+{{- define "baton.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "baton.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/*
+The workloads the mode renders, as a YAML list: name (object suffix and component label),
+block (the values block with replicas, autoscaling, pdb, placement) and containers (the
+roles it runs).
+*/}}
+{{- define "baton.workloads" -}}
+- {name: gateway, block: gateway, containers: [gateway]}
+{{- if eq .Values.mode "disaggregated" }}
+- {name: prefill, block: prefill, containers: [prefill]}
+- {name: decode, block: decode, containers: [decode]}
+{{- else if eq .Values.mode "single" }}
+- {name: single, block: decode, containers: [single]}
+{{- else if eq .Values.mode "colocated" }}
+- {name: colocated, block: decode, containers: [prefill, decode]}
+{{- else }}
+{{- fail (printf "mode must be disaggregated, single or colocated, got %q" .Values.mode) }}
+{{- end }}
+{{- end }}
+
+{{/* The values block of a container role (single-process workers use decode's). */}}
+{{- define "baton.roleBlock" -}}
+{{- if eq . "single" }}decode{{ else }}{{ . }}{{ end }}
+{{- end }}
+
+{{/* The BATON_<PREFIX>_ of a container role. */}}
+{{- define "baton.envPrefix" -}}
+{{- if eq . "gateway" }}BATON_GATEWAY_{{ else if eq . "prefill" }}BATON_PREFILL_{{ else }}BATON_DECODE_{{ end }}
+{{- end }}
+
+{{/* Port names of a container role: unique within a co-located pod. */}}
+{{- define "baton.grpcPortName" -}}
+{{- if eq . "gateway" }}grpc{{ else if eq . "prefill" }}grpc-prefill{{ else }}grpc-decode{{ end }}
+{{- end }}
+{{- define "baton.metricsPortName" -}}
+{{- if eq . "gateway" }}metrics{{ else if eq . "prefill" }}metrics-prefill{{ else }}metrics-decode{{ end }}
+{{- end }}
+
+{{/* True when KV crosses pods: gloo/nccl between prefill and decode Deployments. */}}
+{{- define "baton.crossPodKV" -}}
+{{- if and (eq .Values.mode "disaggregated") (has .Values.transfer.transport (list "gloo" "nccl")) }}true{{ end }}
+{{- end }}
+
+{{/* The headless Service name of a workload. */}}
+{{- define "baton.serviceName" -}}
+{{ include "baton.fullname" .root }}-{{ .name }}
+{{- end }}
+
+{{/*
+dns:/// target of a worker workload's port: the headless Service's short name, which the
+pod's DNS search path resolves in its own namespace first (so a kustomize namespace
+change keeps it right).
+*/}}
+{{- define "baton.target" -}}
+dns:///{{ include "baton.fullname" .root }}-{{ .name }}:{{ .port }}
+{{- end }}
+
+{{/* Where the model is, as every service's --model sees it. */}}
+{{- define "baton.modelPath" -}}
+{{- if eq .Values.model.source "image" }}
+{{- .Values.model.name }}
+{{- else if .Values.model.name }}
+{{- printf "%s/%s" (trimSuffix "/" .Values.model.mountPath) (trimPrefix "/" .Values.model.name) }}
+{{- else }}
+{{- .Values.model.mountPath }}
+{{- end }}
+{{- end }}
+
+{{- define "baton.cacheDir" -}}/home/baton/.cache/baton/models{{- end }}
+
+{{/* Liveness must outlast a drain (NOT_SERVING from SIGTERM until exit). */}}
+{{- define "baton.livenessFailures" -}}
+{{- $b := .block }}
+{{- $need := add (div (add $b.preStopSleepS $b.graceS) $b.probes.liveness.periodSeconds) 2 }}
+{{- max $b.probes.liveness.failureThreshold $need }}
+{{- end }}
+
+{{/*
+One container of a role; pass (dict "root" $ "role" ROLE). Flags that locate the process
+(host, ports, drain) are arguments; everything else comes from the ConfigMap as
+BATON_<ROLE>_* environment twins, plus the pod IP as the advertise host of workers.
+*/}}
+{{- define "baton.container" -}}
+{{- $root := .root }}
+{{- $role := .role }}
+{{- $block := index $root.Values (include "baton.roleBlock" $role) }}
+{{- $grpcName := include "baton.grpcPortName" $role -}}
+- name: {{ $role }}
+  image: "{{ $root.Values.image.repository }}:{{ $root.Values.image.tag }}"
+  imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+  args:
+    - {{ $role }}
+    - --host
+    - "0.0.0.0"
+    - --port
+    - {{ $block.port | quote }}
+    - --metrics-port
+    - {{ $block.metricsPort | quote }}
+    - --grace-s
+    - {{ $block.graceS | quote }}
+  {{- if ne $role "gateway" }}
+  env:
+    - name: {{ include "baton.envPrefix" $role }}ADVERTISE_HOST
+      valueFrom:
+        fieldRef:
+          fieldPath: status.podIP
+    {{- with $block.env }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  {{- else if $block.env }}
+  env:
+    {{- toYaml $block.env | nindent 4 }}
+  {{- end }}
+  envFrom:
+    - configMapRef:
+        name: {{ include "baton.fullname" $root }}-config
+  ports:
+    - name: {{ $grpcName }}
+      containerPort: {{ $block.port }}
+      protocol: TCP
+    {{- if $block.metricsPort }}
+    - name: {{ include "baton.metricsPortName" $role }}
+      containerPort: {{ $block.metricsPort }}
+      protocol: TCP
+    {{- end }}
+    {{- if and (eq $role "decode") (include "baton.crossPodKV" $root) }}
+    - name: kv-store
+      containerPort: {{ $root.Values.transfer.storePort }}
+      protocol: TCP
+    {{- end }}
+  startupProbe:
+    grpc:
+      port: {{ $block.port }}
+    periodSeconds: {{ $block.probes.startup.periodSeconds }}
+    failureThreshold: {{ $block.probes.startup.failureThreshold }}
+  readinessProbe:
+    grpc:
+      port: {{ $block.port }}
+    periodSeconds: {{ $block.probes.readiness.periodSeconds }}
+    failureThreshold: {{ $block.probes.readiness.failureThreshold }}
+  livenessProbe:
+    grpc:
+      port: {{ $block.port }}
+    periodSeconds: {{ $block.probes.liveness.periodSeconds }}
+    failureThreshold: {{ include "baton.livenessFailures" (dict "block" $block) }}
+  lifecycle:
+    preStop:
+      sleep:
+        seconds: {{ $block.preStopSleepS }}
+  resources:
+    {{- $resources := deepCopy (default dict $block.resources) }}
+    {{- if $block.gpus }}
+    {{- $limits := default dict $resources.limits }}
+    {{- $_ := set $limits "nvidia.com/gpu" $block.gpus }}
+    {{- $_ := set $resources "limits" $limits }}
+    {{- $requests := default dict $resources.requests }}
+    {{- $_ := set $requests "nvidia.com/gpu" $block.gpus }}
+    {{- $_ := set $resources "requests" $requests }}
+    {{- end }}
+    {{- toYaml $resources | nindent 4 }}
+  securityContext:
+    {{- toYaml $root.Values.containerSecurityContext | nindent 4 }}
+  volumeMounts:
+    - name: cache
+      mountPath: /home/baton/.cache
+    - name: tmp
+      mountPath: /tmp
+    {{- if ne $root.Values.model.source "image" }}
+    - name: model
+      mountPath: {{ $root.Values.model.mountPath }}
+      readOnly: true
+    {{- end }}
+    {{- if and (eq $root.Values.mode "colocated") (ne $role "gateway") }}
+    - name: dshm
+      mountPath: /dev/shm
+    {{- end }}
+{{- end }}
+
+{{/* A setting's value as an environment string: whole numbers without an exponent. */}}
+{{- define "baton.envValue" -}}
+{{- if and (kindIs "float64" .) (eq . (floor .)) }}
+{{- int64 . | toString }}
+{{- else }}
+{{- toString . }}
+{{- end }}
+{{- end }}

@@ -1,0 +1,314 @@
+"""k8s/: the Helm chart and the kustomize overlays, rendered and checked offline.
+
+Every mode and several value sets render with the Helm v4 SDK and every object validates
+strictly against a recent Kubernetes schema (the two CRDs the chart may render,
+ServiceMonitor and KEDA's ScaledObject, against schemas of the fields the chart uses);
+the overlays build with ``kubectl kustomize`` and validate the same way; the YAML lints;
+golden renders of the example values and the kustomize base do not drift; every rendered
+container command and environment passes its service's real configuration parser, and
+the ports of probes, Services and NetworkPolicies are the ones the containers listen on.
+What each value changes is asserted in tests/test_k8s_values.py.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.k8s_manifests import (
+    CHART,
+    K8S,
+    KUSTOMIZE,
+    ROLE_MODULES,
+    Container,
+    check_config,
+    containers,
+    example_values,
+    golden_files,
+    kustomize,
+    named,
+    of_kind,
+    render_notes,
+    render_text,
+)
+from tests.k8s_schemas import lint, validate
+
+# Value sets rendered by every test that loops over "all renders": each mode, each example,
+# and the switches that change which objects exist.
+VALUE_SETS: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "single": {"mode": "single"},
+    "colocated": {"mode": "colocated", "transfer": {"transport": "shm"}},
+    "colocated-cuda-ipc": {
+        "mode": "colocated",
+        "transfer": {"transport": "cuda_ipc"},
+        "engine": {"device": "cuda"},
+        "prefill": {"gpus": 1},
+        "decode": {"gpus": 1},
+    },
+    "nccl-pvc": {
+        "transfer": {"transport": "nccl"},
+        "engine": {"device": "cuda"},
+        "model": {"source": "pvc", "claimName": "weights", "name": "llama"},
+    },
+    "all-autoscaled-keda": {
+        "autoscaling": {"provider": "keda"},
+        "gateway": {"autoscaling": {"enabled": True, "metric": "cpu", "target": 70}},
+        "prefill": {"autoscaling": {"enabled": True}},
+        "decode": {"autoscaling": {"enabled": True}},
+        "metrics": {"serviceMonitor": {"enabled": True}},
+    },
+    "no-policies-no-metrics": {
+        "networkPolicy": {"enabled": False},
+        "gateway": {"metricsPort": 0, "pdb": {"enabled": False}},
+        "prefill": {"metricsPort": 0, "pdb": {"enabled": False}},
+        "decode": {"metricsPort": 0, "pdb": {"enabled": False}},
+    },
+    **{
+        f"example-{p.stem}": example_values(p.stem)
+        for p in sorted((K8S / "examples").glob("*.yaml"))
+    },
+}
+OVERLAYS = {
+    "base": KUSTOMIZE / "base",
+    "cpu-small": KUSTOMIZE / "overlays" / "cpu-small",
+    "gpu": KUSTOMIZE / "overlays" / "gpu",
+}
+
+
+@pytest.fixture(scope="module")
+def renders() -> dict[str, tuple[str, list[dict[str, Any]]]]:
+    """Every value set's render, once: name -> (YAML text, objects)."""
+    out = {}
+    for name, values in VALUE_SETS.items():
+        text = render_text(values)
+        out[name] = (text, yaml_objects(text))
+    return out
+
+
+@pytest.fixture(scope="module")
+def overlays() -> dict[str, list[dict[str, Any]]]:
+    return {name: kustomize(path) for name, path in OVERLAYS.items()}
+
+
+def yaml_objects(text: str) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(text) if d]
+
+
+# --- render, build, validate, lint -----------------------------------------------------
+
+
+def test_every_value_set_renders_valid_lint_clean_objects(renders) -> None:  # noqa: ANN001
+    for name, (text, objects) in renders.items():
+        lint(text, name)
+        kinds = {o["kind"] for o in objects}
+        assert {"ConfigMap", "Deployment", "Service"} <= kinds, name
+        for obj in objects:
+            try:
+                validate(obj)
+            except Exception as exc:  # name the object in the failure
+                raise AssertionError(
+                    f"{name}: {obj['kind']} {obj['metadata']['name']}: {exc}"
+                ) from exc
+
+
+def test_overlays_build_into_valid_objects(overlays) -> None:  # noqa: ANN001
+    for name, objects in overlays.items():
+        assert {o["kind"] for o in objects} >= {"ConfigMap", "Deployment", "Service"}, name
+        lint(yaml.safe_dump_all(objects, sort_keys=False), name)
+        for obj in objects:
+            try:
+                validate(obj)
+            except Exception as exc:
+                what = f"overlay {name}: {obj['kind']} {obj['metadata']['name']}"
+                raise AssertionError(f"{what}: {exc}") from exc
+
+
+def test_golden_renders_and_kustomize_base_have_not_drifted() -> None:
+    update = os.environ.get("BATON_UPDATE_GOLDEN") == "1"
+    stale = []
+    for path, want in golden_files().items():
+        if update:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(want)
+        elif not path.exists() or path.read_text() != want:
+            stale.append(str(path.relative_to(K8S.parent)))
+    assert not stale, (
+        f"generated files differ from the chart: {stale}; review the change, then "
+        "regenerate with BATON_UPDATE_GOLDEN=1 pytest tests/test_k8s_chart.py -k golden"
+    )
+
+
+def test_helm_lint_is_clean() -> None:
+    import helm_python as helm
+
+    report = helm.lint(str(CHART), strict=True)
+    errors = [m for m in report["messages"] if m["severity"] >= 2] + report.get("errors", [])
+    assert not errors, errors
+
+
+def test_notes_name_every_workload() -> None:
+    notes = render_notes({"mode": "colocated", "transfer": {"transport": "shm"}})
+    assert "baton-colocated" in notes and "baton-gateway" in notes and "as colocated" in notes
+
+
+# --- what runs: commands, environment, ports ---------------------------------------------
+
+
+def all_containers(renders, overlays) -> list[tuple[str, Container, list[dict[str, Any]]]]:  # noqa: ANN001
+    found = [(f"chart {n}", c, objs) for n, (_, objs) in renders.items() for c in containers(objs)]
+    found += [(f"overlay {n}", c, objs) for n, objs in overlays.items() for c in containers(objs)]
+    return found
+
+
+def test_every_container_passes_its_services_config_parser(renders, overlays) -> None:  # noqa: ANN001
+    """The flags and env twins of every rendered container parse (a renamed flag or env
+    key fails here), and what they resolve to is what the manifest means."""
+    for where, c, objects in all_containers(renders, overlays):
+        assert c.role in ROLE_MODULES, f"{where}: {c.name} runs unknown role {c.role!r}"
+        env = c.env(objects, pod_ip="10.0.0.7")
+        try:
+            cfg = check_config(c.role, c.args[1:], env)
+        except (ValueError, SystemExit) as exc:
+            raise AssertionError(f"{where}: {c.deployment}/{c.name} {c.args}: {exc}") from exc
+        assert cfg["host"] == "0.0.0.0", where
+        if c.role == "gateway":
+            for target in [*cfg["decode"], *cfg["prefill"]]:
+                assert target.startswith("dns:///"), f"{where}: {target}"
+        else:
+            assert cfg["advertise_host"] == "10.0.0.7", f"{where}: {c.name} advertises {cfg}"
+            assert cfg["transport"] in ("gloo", "nccl", "shm", "cuda_ipc")
+            if cfg["transport"] in ("gloo", "nccl") and c.role == "decode":
+                assert cfg["transport_address"] == f"10.0.0.7:{c.ports['kv-store']}", where
+
+
+def test_ports_of_probes_services_and_policies_are_the_listening_ports(renders, overlays) -> None:  # noqa: ANN001
+    everything = [(f"chart {n}", o) for n, (_, o) in renders.items()]
+    everything += [(f"overlay {n}", o) for n, o in overlays.items()]
+    for where, objects in everything:
+        listening: dict[str, dict[str, int]] = {}  # deployment -> port name -> number
+        for c in containers(objects):
+            cfg = check_config(c.role, c.args[1:], c.env(objects))
+            assert c.ports[_grpc_name(c.role)] == cfg["port"], f"{where}: {c.name} gRPC"
+            if cfg["metrics_port"]:
+                assert c.ports[_metrics_name(c.role)] == cfg["metrics_port"], where
+            else:
+                assert _metrics_name(c.role) not in c.ports, where
+            for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+                assert c.spec[kind]["grpc"]["port"] == cfg["port"], f"{where}: {c.name} {kind}"
+            listening.setdefault(c.deployment, {}).update(c.ports)
+        for deploy in of_kind(objects, "Deployment"):
+            name = deploy["metadata"]["name"]
+            service = named(objects, "Service", name)
+            for port in service["spec"]["ports"]:
+                assert listening[name][port["targetPort"]] == port["port"], f"{where}: {name}"
+        for policy in of_kind(objects, "NetworkPolicy"):
+            ports = listening[policy["metadata"]["name"]]
+            for rule in policy["spec"]["ingress"]:
+                for port in rule["ports"]:
+                    if isinstance(port["port"], str):
+                        assert port["port"] in ports, f"{where}: policy names {port['port']}"
+
+
+def _grpc_name(role: str) -> str:
+    return {"gateway": "grpc", "prefill": "grpc-prefill"}.get(role, "grpc-decode")
+
+
+def _metrics_name(role: str) -> str:
+    return {"gateway": "metrics", "prefill": "metrics-prefill"}.get(role, "metrics-decode")
+
+
+@pytest.mark.parametrize("role", sorted(ROLE_MODULES))
+def test_image_entrypoint_runs_each_roles_check_config(role: str, tmp_path: Path) -> None:
+    """k8s/entrypoint.sh maps each role onto its service: --check-config through it exits
+    0 and prints that service's resolved config."""
+    env = {
+        "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+        "PYTHONPATH": str(K8S.parent),
+        "BATON_GATEWAY_DECODE": "dns:///baton-decode:50053",
+        "BATON_DECODE_ADVERTISE_HOST": "10.0.0.7",
+    }
+    out = subprocess.run(
+        ["sh", str(K8S / "entrypoint.sh"), role, "--check-config", "--metrics-port", "9123"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr
+    printed = yaml.safe_load(out.stdout)
+    assert printed["service"] == {"gateway": "gateway", "prefill": "prefill_service"}.get(
+        role, "decode_service"
+    )
+    assert printed["config"]["metrics_port"] == 9123
+    if role == "single":
+        assert printed["config"]["role"] == "both"
+    bad = subprocess.run(
+        ["sh", str(K8S / "entrypoint.sh"), role, "--check-config", "--no-such-flag"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert bad.returncode == 2 and "--no-such-flag" in bad.stderr
+
+
+def test_entrypoint_refuses_an_unknown_role() -> None:
+    out = subprocess.run(
+        ["sh", str(K8S / "entrypoint.sh"), "trainer"], capture_output=True, text=True
+    )
+    assert out.returncode == 2 and "gateway|prefill|decode|single" in out.stderr
+
+
+def test_dockerfile_is_hadolint_clean() -> None:
+    hadolint = Path(sys.executable).parent / "hadolint"
+    binary = str(hadolint) if hadolint.exists() else "hadolint"
+    out = subprocess.run([binary, str(K8S / "Dockerfile")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_every_template_is_used_by_some_value_set(renders) -> None:  # noqa: ANN001
+    sources = set()
+    for text, _ in renders.values():
+        sources |= set(re.findall(r"# Source: baton/templates/(\S+)", text))
+    templates = {p.name for p in (CHART / "templates").glob("*.yaml")}
+    assert templates <= sources, templates - sources
+
+
+def test_schema_allows_exactly_the_flags_the_chart_leaves_to_values() -> None:
+    """The keys values.schema.json allows in engine / settings are real flags of the
+    services, and every flag is either allowed there or set by the chart itself, so a
+    renamed flag breaks this test rather than a deployment."""
+    import json
+
+    from gateway.config import _FIELDS as gateway_flags
+    from rpc.worker_config import _FIELDS as worker_flags
+
+    def camel(name: str) -> str:
+        return re.sub(r"_([a-z])", lambda m: m.group(1).upper(), name)
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    props = schema["properties"]
+    engine = set(props["engine"]["propertyNames"]["enum"])
+    allowed = {
+        role: set(props[role]["allOf"][1]["properties"]["settings"]["propertyNames"]["enum"])
+        for role in ("gateway", "prefill", "decode")
+    }
+    by_chart = {"host", "port", "portFile", "metricsPort", "graceS", "model"}
+    gateway_by_chart = by_chart | {"decode", "prefill", "modelCacheDir", "sameHostPrefill"}
+    worker_by_chart = by_chart | {"cacheDir", "transport", "transportAddress", "advertiseHost"}
+    assert allowed["gateway"] | gateway_by_chart == {camel(n) for n in gateway_flags}
+    assert not allowed["gateway"] & gateway_by_chart
+    for role in ("prefill", "decode"):
+        assert engine <= allowed[role]
+        assert allowed[role] | worker_by_chart == {camel(n) for n in worker_flags}
+        assert not allowed[role] & worker_by_chart

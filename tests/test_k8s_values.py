@@ -1,0 +1,225 @@
+"""What each chart value changes, in the style of helm-unittest: replicas, autoscalers
+and their signals, probes and drain times, GPU resources, NetworkPolicy peers, Services,
+modes, the model volume, the ConfigMap, and the values refused."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+
+from tests.k8s_manifests import CHART, K8S, KUSTOMIZE, containers, named, of_kind, render
+
+
+def deployments(values: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {d["metadata"]["name"]: d for d in of_kind(render(values), "Deployment")}
+
+
+def container_of(deploy: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(c for c in deploy["spec"]["template"]["spec"]["containers"] if c["name"] == name)
+
+
+def test_each_role_has_its_own_replicas_and_autoscaler() -> None:
+    d = deployments(
+        {"gateway": {"replicas": 2}, "prefill": {"replicas": 3}, "decode": {"replicas": 5}}
+    )
+    assert [d[f"baton-{r}"]["spec"]["replicas"] for r in ("gateway", "prefill", "decode")] == [
+        2,
+        3,
+        5,
+    ]
+    objects = render(
+        {"prefill": {"autoscaling": {"enabled": True, "maxReplicas": 9, "target": 1000}}}
+    )
+    assert (
+        "replicas" not in named(objects, "Deployment", "baton-prefill")["spec"]
+    )  # the HPA owns it
+    assert named(objects, "Deployment", "baton-decode")["spec"]["replicas"] == 1
+    (hpa,) = of_kind(objects, "HorizontalPodAutoscaler")
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "baton-prefill"
+    assert hpa["spec"]["maxReplicas"] == 9
+    assert hpa["spec"]["metrics"] == [
+        {
+            "type": "Pods",
+            "pods": {
+                "metric": {"name": "baton_queued_prompt_tokens"},
+                "target": {"type": "AverageValue", "averageValue": "1000"},
+            },
+        }
+    ]
+
+
+def test_default_scaling_signals_fit_each_role() -> None:
+    on = {"autoscaling": {"enabled": True}}
+    hpas = {
+        h["metadata"]["name"]: h["spec"]["metrics"][0]["pods"]["metric"]["name"]
+        for h in of_kind(
+            render({"gateway": on, "prefill": on, "decode": on}), "HorizontalPodAutoscaler"
+        )
+    }
+    assert hpas == {
+        "baton-gateway": "baton_streams_in_flight",
+        "baton-prefill": "baton_queued_prompt_tokens",
+        "baton-decode": "baton_kv_cache_usage_ratio",
+    }
+
+
+def test_cpu_signal_and_keda_switch() -> None:
+    objects = render({"gateway": {"autoscaling": {"enabled": True, "metric": "cpu", "target": 60}}})
+    (hpa,) = of_kind(objects, "HorizontalPodAutoscaler")
+    assert hpa["spec"]["metrics"][0]["resource"] == {
+        "name": "cpu",
+        "target": {"type": "Utilization", "averageUtilization": 60},
+    }
+    keda = render(
+        {"autoscaling": {"provider": "keda"}, "prefill": {"autoscaling": {"enabled": True}}}
+    )
+    assert not of_kind(keda, "HorizontalPodAutoscaler")
+    (so,) = of_kind(keda, "ScaledObject")
+    trigger = so["spec"]["triggers"][0]
+    assert trigger["type"] == "prometheus" and trigger["metadata"]["threshold"] == "4096"
+    assert trigger["metadata"]["query"] == (
+        'sum(baton_queued_prompt_tokens{namespace="llm",pod=~"baton-prefill-.*"})'
+    )
+
+
+def test_probes_use_grpc_health_and_outlast_the_drain() -> None:
+    d = deployments({"decode": {"port": 6000, "graceS": 120, "preStopSleepS": 7}})
+    pod = d["baton-decode"]["spec"]["template"]["spec"]
+    c = container_of(d["baton-decode"], "decode")
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["grpc"] == {"port": 6000}
+    assert c["lifecycle"]["preStop"] == {"sleep": {"seconds": 7}}
+    assert pod["terminationGracePeriodSeconds"] == 7 + 120 + 10
+    liveness = c["livenessProbe"]
+    assert liveness["periodSeconds"] * liveness["failureThreshold"] > 7 + 120
+    assert "--grace-s" in c["args"] and c["args"][c["args"].index("--grace-s") + 1] == "120"
+
+
+def test_gpus_become_nvidia_resources_only_where_asked() -> None:
+    d = deployments({"decode": {"gpus": 2}})
+    res = container_of(d["baton-decode"], "decode")["resources"]
+    assert res["limits"]["nvidia.com/gpu"] == 2 and res["requests"]["nvidia.com/gpu"] == 2
+    assert res["limits"]["memory"] == "4Gi"  # the block's own resources stay
+    for role in ("gateway", "prefill"):
+        assert "nvidia.com/gpu" not in str(container_of(d[f"baton-{role}"], role)["resources"])
+
+
+def test_network_policy_peers() -> None:
+    objects = render({})
+    rules = {p["metadata"]["name"]: p["spec"]["ingress"] for p in of_kind(objects, "NetworkPolicy")}
+
+    def peers(policy: str, port: str | int) -> list[str]:
+        found = []
+        for rule in rules[policy]:
+            if any(p["port"] == port for p in rule["ports"]):
+                for peer in rule.get("from", [{"anywhere": True}]):
+                    labels = peer.get("podSelector", {}).get("matchLabels", {})
+                    found.append(labels.get("app.kubernetes.io/component", str(peer)))
+        return sorted(found)
+
+    assert peers("baton-gateway", "grpc") == ["{'anywhere': True}"]
+    assert peers("baton-decode", "grpc-decode") == ["gateway"]
+    assert peers("baton-prefill", "grpc-prefill") == ["decode", "gateway"]
+    assert peers("baton-decode", "kv-store") == ["prefill"]
+    assert peers("baton-decode", 40000) == ["prefill"]
+    assert peers("baton-prefill", 40000) == ["decode"]
+    for policy in rules.values():
+        assert all(p["port"] != 29500 for r in policy for p in r["ports"])  # named, not numbered
+    data = next(p for r in rules["baton-decode"] for p in r["ports"] if p["port"] == 40000)
+    assert data["endPort"] == 40999
+    sysctls = named(objects, "Deployment", "baton-decode")["spec"]["template"]["spec"][
+        "securityContext"
+    ]["sysctls"]
+    assert sysctls == [{"name": "net.ipv4.ip_local_port_range", "value": "40000 40999"}]
+    single = render({"mode": "single"})
+    assert not any("kv-store" in str(p) for p in of_kind(single, "NetworkPolicy"))
+    assert not render({"networkPolicy": {"enabled": False}}) or not of_kind(
+        render({"networkPolicy": {"enabled": False}}), "NetworkPolicy"
+    )
+
+
+def test_worker_services_are_headless_and_the_gateway_finds_them_by_dns() -> None:
+    objects = render({})
+    for role in ("prefill", "decode"):
+        svc = named(objects, "Service", f"baton-{role}")
+        assert svc["spec"]["clusterIP"] == "None"
+        assert svc["spec"]["publishNotReadyAddresses"] is False
+    assert named(objects, "Service", "baton-gateway")["spec"]["type"] == "ClusterIP"
+    data = named(objects, "ConfigMap", "baton-config")["data"]
+    assert data["BATON_GATEWAY_DECODE"] == "dns:///baton-decode:50053"
+    assert data["BATON_GATEWAY_PREFILL"] == "dns:///baton-prefill:50052"
+    assert data["BATON_DECODE_TRANSPORT_ADDRESS"] == "0.0.0.0:29500"
+
+
+def test_colocated_pods_share_memory_backed_shm_and_pair_by_host() -> None:
+    objects = render({"mode": "colocated", "transfer": {"transport": "shm", "shmSizeLimit": "3Gi"}})
+    names = {d["metadata"]["name"] for d in of_kind(objects, "Deployment")}
+    assert names == {"baton-gateway", "baton-colocated"}
+    pod = named(objects, "Deployment", "baton-colocated")["spec"]["template"]["spec"]
+    assert [c["name"] for c in pod["containers"]] == ["prefill", "decode"]
+    dshm = next(v for v in pod["volumes"] if v["name"] == "dshm")
+    assert dshm["emptyDir"] == {"medium": "Memory", "sizeLimit": "3Gi"}
+    for c in pod["containers"]:
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+    data = named(objects, "ConfigMap", "baton-config")["data"]
+    assert data["BATON_GATEWAY_SAME_HOST_PREFILL"] == "true"
+    assert data["BATON_DECODE_TRANSPORT"] == "shm"
+    assert "BATON_DECODE_TRANSPORT_ADDRESS" not in data
+    assert "sysctls" not in pod["securityContext"]
+
+
+def test_model_from_a_volume_is_mounted_read_only_everywhere() -> None:
+    objects = render({"model": {"source": "hostPath", "hostPath": "/srv/m", "name": "llama/"}})
+    data = named(objects, "ConfigMap", "baton-config")["data"]
+    assert data["BATON_GATEWAY_MODEL"] == data["BATON_DECODE_MODEL"] == "/models/llama/"
+    for c in containers(objects):
+        assert {"name": "model", "mountPath": "/models", "readOnly": True} in c.spec["volumeMounts"]
+        volume = next(v for v in c.pod["volumes"] if v["name"] == "model")
+        assert volume["hostPath"] == {"path": "/srv/m", "type": "Directory"}
+
+
+def test_engine_settings_reach_both_workers_as_env_twins() -> None:
+    data = named(
+        render({"engine": {"maxNumSeqs": 7, "kvCacheBytes": 8589934592}}),
+        "ConfigMap",
+        "baton-config",
+    )["data"]
+    for prefix in ("BATON_PREFILL_", "BATON_DECODE_"):
+        assert data[prefix + "MAX_NUM_SEQS"] == "7"
+        assert data[prefix + "KV_CACHE_BYTES"] == "8589934592"  # no 8.589934592e+09
+
+
+@pytest.mark.parametrize(
+    ("values", "error"),
+    [
+        ({"image": {"tag": "latest"}}, "tag"),
+        ({"mode": "colocated"}, "transport must be shm or cuda_ipc"),
+        ({"transfer": {"transport": "shm"}}, "transport must be gloo or nccl"),
+        ({"mode": "sideways"}, "mode"),
+        ({"model": {"source": "pvc"}}, "model.claimName is required"),
+        ({"gateway": {"replicaz": 2}}, "replicaz"),
+        ({"decode": {"autoscaling": {"metric": "vllm:num_requests_running"}}}, "metric"),
+        ({"prefill": {"port": 0}}, "port"),
+    ],
+)
+def test_bad_values_are_refused(values: dict[str, Any], error: str) -> None:
+    with pytest.raises(Exception, match=error):
+        render(values)
+
+
+def test_every_value_key_is_commented_and_no_tag_is_latest() -> None:
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    for i, line in enumerate(lines):
+        key = re.match(r"^(\s*)([A-Za-z][\w.-]*):", line)
+        if key is None or "#" in line:
+            continue
+        above = lines[i - 1].strip() if i else ""
+        assert above.startswith("#"), f"values.yaml line {i + 1}: {line.strip()!r} has no comment"
+    for path in [
+        CHART / "values.yaml",
+        *(K8S / "examples").glob("*.yaml"),
+        *KUSTOMIZE.rglob("*.yaml"),
+    ]:
+        assert not re.search(r"(tag|newTag):\s*\"?latest", path.read_text()), path
