@@ -1,6 +1,8 @@
 """The decode side of the KV hand-off (``engine.transfer.handoff`` has the message flow).
 
-For one request: reserve blocks on the engine (the backpressure point), lease them on
+For one request: reserve blocks on the engine (the backpressure point: a request the pool
+cannot take waits in the engine's bounded reservation FIFO, up to the reserve timeout, and
+then fails with RESOURCE_EXHAUSTED, which the gateway retries elsewhere), lease them on
 the KV inbox, order a prefill worker to fill them, follow its progress beats (each moves
 the lease's deadline), verify the transfer, wait for the lease to end, acknowledge, and
 only then let the request run and release its first token. Until that moment a failure
@@ -42,7 +44,6 @@ from engine.transfer.handoff import (
 
 logger = logging.getLogger(__name__)
 
-_RESERVE_POLL_S = 0.02
 E = TypeVar("E", FirstToken, TransferDone)
 
 
@@ -165,17 +166,20 @@ class DecodeHandoff:
     async def _reserve(
         self, rid: str, prompt: list[int], params: SamplingParams, deadline: float | None
     ) -> tuple[KVLease, AsyncIterator[RequestOutput]]:
-        """Reserve KV blocks, waiting briefly for them when the pool is full."""
-        give_up = time.monotonic() + self._limits.reserve_timeout_s
-        if deadline is not None:
-            give_up = min(give_up, deadline)
-        while True:
-            try:
-                return await self._engine.reserve(rid, prompt, params)
-            except ResourceExhaustedError:
-                if time.monotonic() >= give_up:
-                    raise
-            await asyncio.sleep(_RESERVE_POLL_S)
+        """Reserve KV blocks; when the pool is full, wait in the engine's reservation FIFO
+        (no polling) for up to the reserve timeout or the client's deadline."""
+        wait = self._limits.reserve_timeout_s
+        remaining = _remaining(deadline)
+        if remaining is not None:
+            wait = min(wait, remaining)
+        try:
+            return await self._engine.reserve(rid, prompt, params, timeout_s=wait)
+        except ResourceExhaustedError as exc:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise DeadlineExceededError(
+                    f"request {rid}: the client's deadline passed while waiting for KV blocks"
+                ) from exc
+            raise
 
     async def _expect(
         self,

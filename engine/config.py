@@ -148,6 +148,12 @@ class EngineConfig:
     seed: int = 0
     num_threads: int = 0  # 0: leave torch's default
     cache_dir: str | None = None
+    # Bound of each engine queue: new requests waiting for a seat (prefill, single
+    # process) and reservations waiting for KV blocks (decode). Past it: RESOURCE_EXHAUSTED.
+    max_queued_requests: int = 256
+    # Share of the KV pool a reservation must leave free (besides one block per admitted
+    # request) so that admitted requests can grow without being preempted.
+    kv_watermark: float = 0.01
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
@@ -168,3 +174,9 @@ class EngineConfig:
             )
         if self.max_model_len < 0:
             raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")
+        if self.max_queued_requests < 1:
+            raise ValueError(
+                f"max_queued_requests must be >= 1, got {self.max_queued_requests}"
+            )
+        if not 0.0 <= self.kv_watermark < 1.0:
+            raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark}")

@@ -8,6 +8,7 @@ current one computes.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -71,6 +72,8 @@ class EngineCore:
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_model_len=max_len,
+            max_queued=cfg.max_queued_requests,
+            watermark_blocks=math.ceil(cfg.kv_watermark * num_blocks),
         )
         logger.info(
             "engine ready: model=%s dtype=%s blocks=%d (%.1f MiB KV) max_model_len=%d",
@@ -144,7 +147,8 @@ class EngineCore:
         s = self.scheduler
         return EngineStats(
             num_running=len(s.running),
-            num_waiting=len(s.waiting),
+            # Reservations queued for blocks wait too (without blocks), as routing sees it.
+            num_waiting=len(s.waiting) + len(s.reserving),
             num_waiting_for_kv=len(s.remote),
             num_total_blocks=self.pool.num_blocks,
             num_free_blocks=self.pool.num_free,

@@ -534,7 +534,7 @@ def _scheduler_with_every_state() -> Scheduler:
         ("remote", 3, "request_id 'remote' is already in use"),
     ],
 )
-@pytest.mark.parametrize("entry", ["add", "reserve_remote"])
+@pytest.mark.parametrize("entry", ["add", "reserve_remote", "queue_remote"])
 def test_invalid_requests_raise_value_error_and_allocate_nothing(
     rid: str, n: int, message: str | None, entry: str
 ) -> None:
@@ -542,6 +542,10 @@ def test_invalid_requests_raise_value_error_and_allocate_nothing(
     before = pool_state(sched)
     req = make_request(rid, prompt(9, n))
     if message is None:
+        if entry == "reserve_remote":  # valid, but the watermark keeps blocks for admitted ones
+            with pytest.raises(ResourceExhaustedError, match="kept for the growth"):
+                sched.reserve_remote(req)
+            return
         getattr(sched, entry)(req)
         return
     with pytest.raises(ValueError, match=message):
@@ -549,7 +553,7 @@ def test_invalid_requests_raise_value_error_and_allocate_nothing(
     assert pool_state(sched) == before
 
 
-@pytest.mark.parametrize("entry", ["add", "reserve_remote"])
+@pytest.mark.parametrize("entry", ["add", "reserve_remote", "queue_remote"])
 def test_prompt_needing_more_blocks_than_the_pool_has_is_rejected(entry: str) -> None:
     sched = make_scheduler(num_blocks=4, block_size=4, max_model_len=128)
     before = pool_state(sched)
