@@ -151,9 +151,10 @@ class EngineConfig:
     # Bound of each engine queue: new requests waiting for a seat (prefill, single
     # process) and reservations waiting for KV blocks (decode). Past it: RESOURCE_EXHAUSTED.
     max_queued_requests: int = 256
-    # Share of the KV pool a reservation must leave free (besides one block per admitted
-    # request) so that admitted requests can grow without being preempted.
-    kv_watermark: float = 0.01
+    # The free-block watermark: a reservation (decode) is granted only if it leaves free
+    # the blocks each admitted request needs for its next kv_growth_tokens tokens (capped
+    # by its max_tokens), so new arrivals do not push admitted requests into recompute.
+    kv_growth_tokens: int = 128
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
@@ -178,5 +179,5 @@ class EngineConfig:
             raise ValueError(
                 f"max_queued_requests must be >= 1, got {self.max_queued_requests}"
             )
-        if not 0.0 <= self.kv_watermark < 1.0:
-            raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark}")
+        if self.kv_growth_tokens < 0:
+            raise ValueError(f"kv_growth_tokens must be >= 0, got {self.kv_growth_tokens}")

@@ -8,7 +8,6 @@ current one computes.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -73,7 +72,7 @@ class EngineCore:
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_model_len=max_len,
             max_queued=cfg.max_queued_requests,
-            watermark_blocks=math.ceil(cfg.kv_watermark * num_blocks),
+            growth_tokens=cfg.kv_growth_tokens,
         )
         logger.info(
             "engine ready: model=%s dtype=%s blocks=%d (%.1f MiB KV) max_model_len=%d",
