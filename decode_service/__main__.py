@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from decode_service.servicer import SERVICE_NAME, DecodeServicer
 from protos.baton.v1 import worker_pb2_grpc
 from rpc.server import ServerSpec, serve
-from rpc.worker_config import WorkerConfig, env_prefix
+from rpc.worker_config import WorkerConfig, WorkerSecurity, env_prefix
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -37,7 +37,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 async def _run(cfg: WorkerConfig) -> None:
-    servicer = DecodeServicer(cfg)
+    security = WorkerSecurity.load(cfg)
+    servicer = DecodeServicer(cfg, tls=security.tls, fleet_key=security.fleet_key)
     spec = ServerSpec(
         name="decode" if cfg.role == "decode" else "worker",
         register=lambda server: worker_pb2_grpc.add_DecodeWorkerServicer_to_server(
@@ -50,6 +51,8 @@ async def _run(cfg: WorkerConfig) -> None:
         grace_s=cfg.grace_s,
         port_file=cfg.port_file,
         fatal=servicer.fatal,
+        credentials=security.server_credentials(),
+        reflection=cfg.enable_reflection,
     )
     try:
         await serve(spec)

@@ -2,12 +2,13 @@
 
 The engine thread owns the scheduler and block pool outright; asyncio code never touches
 them. It talks to the thread through a command queue (add, abort, reserve, KV ready,
-release); reservations the pool cannot take at once wait in the scheduler's FIFO and are
-granted by the engine thread as blocks free up and gets outputs back through ``call_soon_threadsafe``, so the event loop never
-blocks on a step. A command that raises fails the one request it was for (its stream
-ends with ``InternalError`` naming the cause); if the engine thread itself dies, every
-open stream ends with ``UnavailableError`` at once and ``on_death`` tells the service
-(which reports NOT_SERVING).
+release) and gets outputs back through ``call_soon_threadsafe``, so the event loop never
+blocks on a step. Reservations the pool cannot take at once wait in the scheduler's FIFO
+and are granted by the engine thread as blocks free up (no polling). A command that
+raises fails the one request it was for (its stream ends with ``InternalError`` naming
+the cause); if the engine thread itself dies, every open stream ends with
+``UnavailableError`` at once and ``on_death`` tells the service (which reports
+NOT_SERVING).
 
 Load is read from a snapshot the engine thread publishes after every step and command
 batch (``stats``), so a caller never waits on a busy engine to learn that it is busy.

@@ -176,8 +176,6 @@ class EngineConfig:
         if self.max_model_len < 0:
             raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")
         if self.max_queued_requests < 1:
-            raise ValueError(
-                f"max_queued_requests must be >= 1, got {self.max_queued_requests}"
-            )
+            raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
         if self.kv_growth_tokens < 0:
             raise ValueError(f"kv_growth_tokens must be >= 0, got {self.kv_growth_tokens}")

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from prefill_service.servicer import SERVICE_NAME, PrefillServicer
 from protos.baton.v1 import worker_pb2_grpc
 from rpc.server import ServerSpec, serve
-from rpc.worker_config import WorkerConfig
+from rpc.worker_config import WorkerConfig, WorkerSecurity
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -34,7 +34,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 async def _run(cfg: WorkerConfig) -> None:
-    servicer = PrefillServicer(cfg)
+    security = WorkerSecurity.load(cfg)
+    servicer = PrefillServicer(cfg, fleet_key=security.fleet_key)
     spec = ServerSpec(
         name="prefill",
         register=lambda server: worker_pb2_grpc.add_PrefillWorkerServicer_to_server(
@@ -47,6 +48,8 @@ async def _run(cfg: WorkerConfig) -> None:
         grace_s=cfg.grace_s,
         port_file=cfg.port_file,
         fatal=servicer.fatal,
+        credentials=security.server_credentials(),
+        reflection=cfg.enable_reflection,
     )
     try:
         await serve(spec)

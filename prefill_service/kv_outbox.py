@@ -14,7 +14,7 @@ import time
 import torch
 
 from engine.kv_layout import KVLayout
-from engine.transfer.base import KVDescriptor, KVSender, SendCompletion, SendJob
+from engine.transfer.base import KVDescriptor, KVSender, SendCompletion, SendJob, TransferConfig
 from engine.transfer.factory import make_sender
 
 logger = logging.getLogger(__name__)
@@ -22,11 +22,16 @@ logger = logging.getLogger(__name__)
 
 class KVOutbox:
     def __init__(
-        self, kind: str, kv_cache: torch.Tensor, layout: KVLayout, loop: asyncio.AbstractEventLoop
+        self,
+        kind: str,
+        kv_cache: torch.Tensor,
+        layout: KVLayout,
+        loop: asyncio.AbstractEventLoop,
+        config: TransferConfig | None = None,
     ):
         self._loop = loop
         self._waiters: dict[str, asyncio.Future[SendCompletion]] = {}
-        self.sender: KVSender = make_sender(kind, kv_cache, layout, notify=self._notify)
+        self.sender: KVSender = make_sender(kind, kv_cache, layout, config, notify=self._notify)
 
     def send(
         self, request_id: str, src_block_ids: list[int], desc: KVDescriptor, timeout_s: float
