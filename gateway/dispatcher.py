@@ -5,8 +5,11 @@ client's deadline, and yields the decode worker's outputs. An attempt that fails
 UNAVAILABLE or ABORTED *before any token arrived* is retried, up to ``max_retries`` times:
 on another prefill worker when there is one, and on another decode worker when a fresh
 ``Stats`` shows the failed one is down. Once a token has reached the caller a failure is
-final, and surfaces with the same status code. Other codes (INVALID_ARGUMENT,
-RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED, ...) pass through at once, with the worker's message.
+final, and surfaces with the same status code. RESOURCE_EXHAUSTED before the first token
+(the decode worker had no KV room within its reserve timeout, or a queue was full) is
+retried on another decode worker that has not refused this request; when none is left
+it surfaces. Other codes (INVALID_ARGUMENT, DEADLINE_EXCEEDED, ...) pass through at once,
+with the worker's message.
 
 Closing the stream (the caller saw a stop string, or went away) cancels the ``Decode``
 call, which makes decode abort the request and free its blocks, and prefill's.
@@ -28,7 +31,12 @@ import grpc.aio
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from engine.errors import AbortedError, DeadlineExceededError, UnavailableError
+from engine.errors import (
+    AbortedError,
+    DeadlineExceededError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
 from gateway.router import Route, Router, WorkerKind
@@ -88,12 +96,23 @@ class Dispatcher:
             sampling_params=sampling_params_to_proto(job.params),
         )
         failed_prefill: list[str] = []
+        full_decode: list[str] = []  # answered RESOURCE_EXHAUSTED to this request
+        exhausted: ResourceExhaustedError | None = None
         metadata = metadata_for(job.trace_context)
         for attempt in range(1, self._max_attempts + 1):
             with span(
                 self._tracer, "gateway.route", job.trace_context, request_id=job.request_id
             ) as route_span:
-                route = self._router.pick(len(job.prompt_token_ids), avoid_prefill=failed_prefill)
+                route = self._router.pick(
+                    len(job.prompt_token_ids),
+                    avoid_prefill=failed_prefill,
+                    avoid_decode=full_decode,
+                )
+                if route.decode in full_decode:
+                    # Every decode worker that is up said it has no room; asking one
+                    # again would only wait out its reserve timeout a second time.
+                    assert exhausted is not None
+                    raise exhausted
                 route_span.set_attribute("baton.attempt", attempt)
                 route_span.set_attribute("baton.decode", route.decode)
                 if route.prefill:
@@ -129,6 +148,25 @@ class Dispatcher:
                 if route.prefill:
                     failed_prefill.append(route.prefill)
                 await self._probe(route)
+            except ResourceExhaustedError as exc:
+                # No room on that decode worker (or its prefill worker's queue is full):
+                # the worker is fine, so no probe; try another one.
+                if started or attempt == self._max_attempts:
+                    raise
+                logger.warning(
+                    "request %s: attempt %d/%d: decode %s (prefill %s) has no room (%s); "
+                    "trying another decode worker",
+                    job.request_id,
+                    attempt,
+                    self._max_attempts,
+                    route.decode,
+                    route.prefill or "-",
+                    exc,
+                )
+                full_decode.append(route.decode)
+                if route.prefill:
+                    failed_prefill.append(route.prefill)
+                exhausted = exc
 
     async def _attempt(
         self,

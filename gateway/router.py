@@ -165,11 +165,17 @@ class Router:
         self.start()
         await self._decode_up.wait()
 
-    def pick(self, num_prompt_tokens: int, *, avoid_prefill: Collection[str] = ()) -> Route:
-        """The best decode worker and the best prefill worker, preferring prefill workers
-        not in ``avoid_prefill`` (ones a failed attempt used). Raises UnavailableError when
-        no worker of a needed kind is up."""
-        decode = self._best_decode()
+    def pick(
+        self,
+        num_prompt_tokens: int,
+        *,
+        avoid_prefill: Collection[str] = (),
+        avoid_decode: Collection[str] = (),
+    ) -> Route:
+        """The best decode worker and the best prefill worker, preferring workers not in
+        ``avoid_decode`` / ``avoid_prefill`` (ones a failed attempt used). Raises
+        UnavailableError when no worker of a needed kind is up."""
+        decode = self._best_decode(avoid_decode)
         prefill = ""
         if self._prefill:
             chosen = self._best_prefill(avoid_prefill)
@@ -189,13 +195,14 @@ class Router:
     def _workers_of(self, kind: WorkerKind) -> list[WorkerState]:
         return self._decode if kind is WorkerKind.DECODE else self._prefill
 
-    def _best_decode(self) -> WorkerState:
+    def _best_decode(self, avoid: Collection[str] = ()) -> WorkerState:
         up = [(i, w) for i, w in enumerate(self._decode) if w.up]
         if not up:
             raise UnavailableError(
                 f"no decode worker is up ({len(self._decode)} configured); retry later"
             )
-        return max(up, key=lambda iw: (iw[1].decode_score(), -iw[0]))[1]
+        fresh = [(i, w) for i, w in up if w.address not in avoid]
+        return max(fresh or up, key=lambda iw: (iw[1].decode_score(), -iw[0]))[1]
 
     def _best_prefill(self, avoid: Collection[str]) -> WorkerState:
         up = [(i, w) for i, w in enumerate(self._prefill) if w.up]
