@@ -80,6 +80,16 @@ class Generation:
         """Requests in flight now, gRPC and HTTP together."""
         return len(self._in_flight)
 
+    def check_capacity(self) -> None:
+        """Raise ResourceExhaustedError when ``max_streams`` requests are in flight. A
+        front end calls it first thing, so a refusal costs next to nothing; ``stream``
+        calls it again when the request takes its slot."""
+        if len(self._in_flight) >= self.max_streams:
+            raise ResourceExhaustedError(
+                f"the gateway is at its limit of {self.max_streams} concurrent streams "
+                "(--max-concurrent-streams); retry later or on another gateway"
+            )
+
     @property
     def card(self) -> ModelCard:
         return self._model.card
@@ -120,13 +130,9 @@ class Generation:
         ``deadline`` is in ``loop.time()`` seconds (None: none). Closing the generator
         early cancels the request downstream.
         """
-        if len(self._in_flight) >= self.max_streams:
-            # Refused at once, before any tokenizing: the tokenizer queue and every
-            # worker's queue stay bounded by this cap.
-            raise ResourceExhaustedError(
-                f"the gateway is at its limit of {self.max_streams} concurrent streams "
-                "(--max-concurrent-streams); retry later or on another gateway"
-            )
+        # Before any tokenizing: the tokenizer queue and every worker's queue stay
+        # bounded by this cap.
+        self.check_capacity()
         if rid in self._in_flight:
             raise FieldError(
                 "request_id", f"request_id {rid!r} is already in use by a request in flight"
