@@ -55,6 +55,7 @@ class E2ECluster(LocalCluster):
         super().__init__(spec)
         self._extra = {"prefill": tuple(prefill_args), "decode": tuple(decode_args)}
         self._argv: dict[int, tuple[int, list[str]]] = {}
+        self._respawns = 0
 
     def _spawn(self, kind: str, index: int, argv: list[str], port: int = 0):  # noqa: ANN202
         extra = list(self._extra.get(kind, ()))
@@ -75,8 +76,12 @@ class E2ECluster(LocalCluster):
         return list(self._argv[id(proc)][1])
 
     def respawn(self, kind: str, argv: list[str], port: int, timeout_s: float = 120.0):  # noqa: ANN201
-        """Start a worker again on ``port`` (a restarted pod) and wait until it serves."""
-        proc = self._spawn(kind, 0, argv, port)
+        """Start a worker again on ``port`` (a restarted pod) and wait until it serves.
+
+        Each start gets its own port and log file (index 1000+), so a stale port file of
+        an earlier process is never taken for this one's."""
+        self._respawns += 1
+        proc = self._spawn(kind, 1000 + self._respawns, argv, port)
         deadline = time.monotonic() + timeout_s
         self._await_port(proc, deadline)
         wait_serving(proc.address, deadline - time.monotonic(), proc, self.spec.probe_credentials)

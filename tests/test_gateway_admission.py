@@ -5,7 +5,6 @@ limit sized from max_model_len with counts checked before contents."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Sequence
