@@ -90,7 +90,7 @@ class PrefillFleet:
                 except OSError as err:
                     logger.warning("prefill fleet: cannot resolve %s: %s", entry.name, err)
                     continue
-                resolved.update((info[4][0], entry.port) for info in infos)
+                resolved.update((str(info[4][0]), entry.port) for info in infos)
             self._resolved = resolved
             logger.info("prefill fleet: %d address(es) from DNS", len(resolved))
 

@@ -235,8 +235,11 @@ def _parser(role: str, prefix: str) -> argparse.ArgumentParser:
     for name in _FIELDS:
         if name == "prefill_allow" and role == "prefill":
             continue
-        repeat = {"action": "append"} if name in _REPEATED else {}
-        p.add_argument("--" + name.replace("_", "-"), dest=name, help=_HELP[name], **repeat)
+        flag = "--" + name.replace("_", "-")
+        if name in _REPEATED:
+            p.add_argument(flag, dest=name, help=_HELP[name], action="append")
+        else:
+            p.add_argument(flag, dest=name, help=_HELP[name])
     return p
 
 

@@ -26,7 +26,7 @@ KEY_HELLO_COUNT = "baton/hello_count"
 # Set (to AUTH_HMAC) by a receiver that admits only senders holding the fleet's secret:
 # their hello and job headers then carry a tag (fleet_auth) after a separator.
 KEY_AUTH = "baton/auth"
-AUTH_HMAC = b"hmac-sha256"
+AUTH_HMAC = "hmac-sha256"
 VERDICT_OK = "ok"
 VERDICT_NO_SECRET = "refused: the hello does not carry the fleet's secret"
 GROUP_HEADER_WORDS = 4  # int64: seq, group, flags, payload bytes
