@@ -28,6 +28,7 @@ from gateway.config import GatewayConfig
 from gateway.served_model import ServedModel
 from protos.baton.v1 import generate_pb2, generate_pb2_grpc
 from rpc.auth import ApiKeys
+from rpc.probe import main as probe_main
 from rpc.server import RpcServer, ServerSpec
 from rpc.tls import TlsFiles
 from tests.certs import CertAuthority, Identity
@@ -119,6 +120,19 @@ async def test_an_mtls_port_refuses_clients_without_a_fleet_certificate(pki) -> 
         )
         assert await check(address, intruder) is grpc.StatusCode.UNAVAILABLE
         assert await check(address, client.channel_credentials()) is grpc.StatusCode.OK
+
+
+async def test_the_exec_probe_reaches_an_mtls_port_with_the_pods_certificate(pki) -> None:  # noqa: ANN001
+    server, client, _ = pki
+    material = _material(server, ca=True).load()
+    assert material is not None
+    async with health_server(material.server_credentials(require_client_cert=True)) as address:
+        with_cert = ["--address", address, "--tls-cert", str(client.cert)]
+        with_cert += ["--tls-key", str(client.key), "--tls-ca", str(client.ca)]
+        assert await asyncio.to_thread(probe_main, with_cert) == 0
+        without = ["--address", address, "--tls-ca", str(client.ca), "--timeout-s", "1"]
+        assert await asyncio.to_thread(probe_main, without) == 1
+        assert await asyncio.to_thread(probe_main, ["--address", address, "--tls-cert", "x"]) == 2
 
 
 def test_tls_flags_are_checked_at_start_up(tmp_path: Path) -> None:
