@@ -149,9 +149,7 @@ def test_fairness_under_sustained_overload() -> None:
     the requests ahead of it."""
     starved: list[str] = []
 
-    def every_decode_scheduled(
-        s: Scheduler, out: SchedulerOutput, before: RunningSnapshot
-    ) -> None:
+    def every_decode_scheduled(s: Scheduler, out: SchedulerOutput, before: RunningSnapshot) -> None:
         scheduled = {seq.request.request_id for seq in out.seqs}
         for rid, computed, logical, wants in before:
             if wants and logical - computed == 1 and rid not in scheduled:
