@@ -542,10 +542,6 @@ def test_invalid_requests_raise_value_error_and_allocate_nothing(
     before = pool_state(sched)
     req = make_request(rid, prompt(9, n))
     if message is None:
-        if entry == "reserve_remote":  # valid, but the watermark keeps blocks for admitted ones
-            with pytest.raises(ResourceExhaustedError, match="kept for the growth"):
-                sched.reserve_remote(req)
-            return
         getattr(sched, entry)(req)
         return
     with pytest.raises(ValueError, match=message):
