@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from protos.baton.v1 import worker_pb2_grpc
 from rpc.metrics import WorkerCollector, WorkerSampler, metrics_endpoint, new_registry
 from rpc.server import ServerSpec, serve
-from rpc.worker_config import WorkerConfig, env_prefix
+from rpc.worker_config import WorkerConfig, WorkerSecurity, env_prefix
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -48,7 +48,8 @@ async def _run(cfg: WorkerConfig) -> None:
     # Imported here, so that --check-config answers without loading torch.
     from decode_service.servicer import SERVICE_NAME, DecodeServicer
 
-    servicer = DecodeServicer(cfg)
+    security = WorkerSecurity.load(cfg)
+    servicer = DecodeServicer(cfg, tls=security.tls, fleet_key=security.fleet_key)
     spec = ServerSpec(
         name="decode" if cfg.role == "decode" else "worker",
         register=lambda server: worker_pb2_grpc.add_DecodeWorkerServicer_to_server(
@@ -61,6 +62,8 @@ async def _run(cfg: WorkerConfig) -> None:
         grace_s=cfg.grace_s,
         port_file=cfg.port_file,
         fatal=servicer.fatal,
+        credentials=security.server_credentials(),
+        reflection=cfg.enable_reflection,
     )
     registry = new_registry()
     sampler = WorkerSampler(

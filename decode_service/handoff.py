@@ -1,6 +1,8 @@
 """The decode side of the KV hand-off (``engine.transfer.handoff`` has the message flow).
 
-For one request: reserve blocks on the engine (the backpressure point), lease them on
+For one request: reserve blocks on the engine (the backpressure point: a request the pool
+cannot take waits in the engine's bounded reservation FIFO, up to the reserve timeout, and
+then fails with RESOURCE_EXHAUSTED, which the gateway retries elsewhere), lease them on
 the KV inbox, order a prefill worker to fill them, follow its progress beats (each moves
 the lease's deadline), verify the transfer, wait for the lease to end, acknowledge, and
 only then let the request run and release its first token. Until that moment a failure
@@ -19,6 +21,7 @@ through ``PrefillLink``, so this module is tested without gRPC.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -27,10 +30,16 @@ from typing import Protocol, TypeVar
 
 from decode_service.kv_inbox import KVInbox
 from engine.async_engine import AsyncEngine, KVLease
-from engine.errors import AbortedError, DeadlineExceededError, ResourceExhaustedError
+from engine.errors import (
+    AbortedError,
+    DeadlineExceededError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+)
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.transfer.base import RecvCompletion
+from engine.transfer.fleet_auth import FleetKey
 from engine.transfer.handoff import (
     Ack,
     FirstToken,
@@ -38,11 +47,12 @@ from engine.transfer.handoff import (
     PrefillOrder,
     Progress,
     TransferDone,
+    done_is_signed,
+    order_tag,
 )
 
 logger = logging.getLogger(__name__)
 
-_RESERVE_POLL_S = 0.02
 E = TypeVar("E", FirstToken, TransferDone)
 
 
@@ -88,12 +98,19 @@ class DecodeHandoff:
     """Runs the hand-off of every request on one decode worker."""
 
     def __init__(
-        self, engine: AsyncEngine, inbox: KVInbox, limits: HandoffLimits, open_link: OpenLink
+        self,
+        engine: AsyncEngine,
+        inbox: KVInbox,
+        limits: HandoffLimits,
+        open_link: OpenLink,
+        fleet_key: FleetKey | None = None,
     ) -> None:
         self._engine = engine
         self._inbox = inbox
         self._limits = limits
         self._open_link = open_link
+        # With a key, orders are signed and a TransferDone must carry the fleet's tag.
+        self._fleet_key = fleet_key
         # prefill address -> incarnation of the KV sender seen there last.
         self._senders: dict[str, str] = {}
         self._cleanups: set[asyncio.Task[None]] = set()
@@ -120,10 +137,14 @@ class DecodeHandoff:
             # The time left is taken now, after the wait for blocks, not when the
             # request arrived.
             link = self._open_link(prefill, _remaining(deadline))
-            await link.send(PrefillOrder(request_id, tuple(prompt), params, desc))
+            order = PrefillOrder(request_id, tuple(prompt), params, desc)
+            if self._fleet_key is not None:
+                order = dataclasses.replace(order, mac=order_tag(self._fleet_key, order))
+            await link.send(order)
             first = await self._expect(link, FirstToken, request_id, prefill, deadline)
             self._note_sender(prefill, first.sender_incarnation)
             done = await self._expect(link, TransferDone, request_id, prefill, deadline)
+            self._check_fleet(request_id, prefill, desc.lease_token, done)
             self._inbox.verify(request_id, done.checksum, done.epoch)
             completion = await self._wait(
                 asyncio.shield(lease_ended), request_id, "verifying the KV", deadline
@@ -165,17 +186,20 @@ class DecodeHandoff:
     async def _reserve(
         self, rid: str, prompt: list[int], params: SamplingParams, deadline: float | None
     ) -> tuple[KVLease, AsyncIterator[RequestOutput]]:
-        """Reserve KV blocks, waiting briefly for them when the pool is full."""
-        give_up = time.monotonic() + self._limits.reserve_timeout_s
-        if deadline is not None:
-            give_up = min(give_up, deadline)
-        while True:
-            try:
-                return await self._engine.reserve(rid, prompt, params)
-            except ResourceExhaustedError:
-                if time.monotonic() >= give_up:
-                    raise
-            await asyncio.sleep(_RESERVE_POLL_S)
+        """Reserve KV blocks; when the pool is full, wait in the engine's reservation FIFO
+        (no polling) for up to the reserve timeout or the client's deadline."""
+        wait = self._limits.reserve_timeout_s
+        remaining = _remaining(deadline)
+        if remaining is not None:
+            wait = min(wait, remaining)
+        try:
+            return await self._engine.reserve(rid, prompt, params, timeout_s=wait)
+        except ResourceExhaustedError as exc:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise DeadlineExceededError(
+                    f"request {rid}: the client's deadline passed while waiting for KV blocks"
+                ) from exc
+            raise
 
     async def _expect(
         self,
@@ -221,6 +245,14 @@ class DecodeHandoff:
                 f"request {rid}: no progress for {stall:.1f} s while waiting for {what}; "
                 "the prefill worker is stuck or gone"
             ) from None
+
+    def _check_fleet(self, rid: str, prefill: str, lease_token: int, done: TransferDone) -> None:
+        key = self._fleet_key
+        if key is not None and not done_is_signed(key, rid, lease_token, done):
+            raise PermissionDeniedError(
+                f"request {rid}: prefill {prefill} reported a transfer without the fleet's "
+                "secret; its KV is not used"
+            )
 
     def _note_sender(self, prefill: str, incarnation: str) -> None:
         """A prefill worker at the same address with a new sender restarted: drop what

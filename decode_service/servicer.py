@@ -1,11 +1,12 @@
 """The DecodeWorker service: wiring only.
 
 Single-process mode (role ``both``) runs the prompt in this worker's engine. Otherwise
-the KV hand-off with the prefill worker the gateway chose runs in
-``decode_service.handoff`` (reserve, lease, prefill, verify, ack), over a
-``GrpcPrefillLink``. Stats and health come from the engine's published snapshot; if the
-engine thread dies, open streams end with UNAVAILABLE and the worker reports NOT_SERVING
-(``fatal``), so a liveness probe restarts it.
+the KV hand-off with the prefill worker the gateway chose (if it is in this worker's
+fleet, ``decode_service.prefill_fleet``) runs in ``decode_service.handoff`` (reserve,
+lease, prefill, verify, ack), over a ``GrpcPrefillLink`` (mTLS when configured). Stats
+and health come from the engine's published snapshot; if the engine thread dies, open
+streams end with UNAVAILABLE and the worker reports NOT_SERVING (``fatal``), so a
+liveness probe restarts it.
 """
 
 from __future__ import annotations
@@ -22,19 +23,23 @@ import grpc
 
 from decode_service.handoff import DecodeHandoff, HandoffLimits, PrefillLink
 from decode_service.kv_inbox import KVInbox
+from decode_service.prefill_fleet import PrefillFleet
 from decode_service.prefill_link import GrpcPrefillLink
 from engine.async_engine import AsyncEngine
 from engine.engine_core import EngineCore
 from engine.errors import UnavailableError
 from engine.request import RequestOutput
+from engine.transfer.base import TransferConfig
+from engine.transfer.fleet_auth import FleetKey
 from protos.baton.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from rpc.channels import ChannelCache
+from rpc.channels import CHANNEL_OPTIONS, ChannelCache
 from rpc.convert import (
     finish_reason_to_proto,
     sampling_params_from_proto,
     token_logprob_to_proto,
     worker_stats_to_proto,
 )
+from rpc.tls import TlsMaterial, server_name_option
 from rpc.worker_config import WorkerConfig
 
 logger = logging.getLogger(__name__)
@@ -43,16 +48,36 @@ SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
-    def __init__(self, cfg: WorkerConfig):
+    """``tls``: this worker's PEM material (it dials prefill workers with it as its client
+    identity); ``fleet_key``: the fleet's shared secret for the KV hand-off. Both are read
+    once in ``__main__``."""
+
+    def __init__(
+        self,
+        cfg: WorkerConfig,
+        *,
+        tls: TlsMaterial | None = None,
+        fleet_key: FleetKey | None = None,
+    ):
         assert cfg.role in ("decode", "both")
         self.cfg = cfg
         self.inbox = None
+        self._fleet_key = fleet_key
         if cfg.role == "decode":
             # transport_address is a store address for gloo/nccl; shm and cuda_ipc segments
             # get a fresh random name, so any number of workers can share a host.
             address = cfg.transport_address if cfg.transport in ("gloo", "nccl") else ""
-            self.inbox = KVInbox(cfg.transport, address, device=cfg.engine.device)
-        self.channels = ChannelCache()
+            self.inbox = KVInbox(
+                cfg.transport,
+                address,
+                TransferConfig(fleet_key=fleet_key),
+                device=cfg.engine.device,
+            )
+        self.channels = ChannelCache(
+            CHANNEL_OPTIONS + server_name_option(cfg.tls_server_name),
+            tls.channel_credentials() if tls is not None else None,
+        )
+        self.prefill_fleet = PrefillFleet(cfg.prefill_allow)
         self.engine: AsyncEngine | None = None
         self.handoff: DecodeHandoff | None = None
         self._incarnation = uuid.uuid4().hex
@@ -81,7 +106,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if self.inbox is not None:
             self._incarnation = self.inbox.incarnation
             limits = HandoffLimits(self.cfg.transfer_timeout_s, self.cfg.reserve_timeout_s)
-            self.handoff = DecodeHandoff(self.engine, self.inbox, limits, self._open_link)
+            self.handoff = DecodeHandoff(
+                self.engine, self.inbox, limits, self._open_link, self._fleet_key
+            )
         logger.info(
             "decode worker ready (role=%s, incarnation %s)", self.cfg.role, self._incarnation
         )
@@ -128,6 +155,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         engine = self._engine()
         if not request.request_id:
             raise ValueError("request_id is required")
+        # Counts first: nothing is copied out of the message for a prompt that cannot fit.
+        num_prompt, max_len = len(request.prompt_token_ids), engine.core.max_model_len
+        if num_prompt >= max_len:
+            raise ValueError(
+                f"prompt_token_ids has {num_prompt} tokens; max_model_len is {max_len}"
+            )
         rid = f"{request.request_id}#{self._incarnation[:12]}.{next(self._attempts)}"
         params = sampling_params_from_proto(request.sampling_params)
         prompt = list(request.prompt_token_ids)
@@ -141,6 +174,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         else:
             if not request.prefill_address:
                 raise ValueError("prefill_address is required: this worker only decodes")
+            await self.prefill_fleet.check(request.prefill_address)
             assert self.handoff is not None
             remaining = context.time_remaining()
             deadline = None if remaining is None else time.monotonic() + remaining

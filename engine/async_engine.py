@@ -3,10 +3,12 @@
 The engine thread owns the scheduler and block pool outright; asyncio code never touches
 them. It talks to the thread through a command queue (add, abort, reserve, KV ready,
 release) and gets outputs back through ``call_soon_threadsafe``, so the event loop never
-blocks on a step. A command that raises fails the one request it was for (its stream
-ends with ``InternalError`` naming the cause); if the engine thread itself dies, every
-open stream ends with ``UnavailableError`` at once and ``on_death`` tells the service
-(which reports NOT_SERVING).
+blocks on a step. Reservations the pool cannot take at once wait in the scheduler's FIFO
+and are granted by the engine thread as blocks free up (no polling). A command that
+raises fails the one request it was for (its stream ends with ``InternalError`` naming
+the cause); if the engine thread itself dies, every open stream ends with
+``UnavailableError`` at once and ``on_death`` tells the service (which reports
+NOT_SERVING).
 
 Load is read from a snapshot the engine thread publishes after every step and command
 batch (``stats``), so a caller never waits on a busy engine to learn that it is busy.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import threading
@@ -30,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.engine_core import EngineCore
-from engine.errors import BatonError, InternalError, UnavailableError
+from engine.errors import BatonError, InternalError, ResourceExhaustedError, UnavailableError
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
@@ -89,6 +92,8 @@ class AsyncEngine:
         # Replaced (never mutated) by the engine thread; read from any thread.
         self._snapshot: EngineStats = core.stats()
         self._snapshot_at = time.monotonic()
+        # Queued reservations -> the future their caller awaits. Engine thread only.
+        self._grant_waiters: dict[str, concurrent.futures.Future[list[int]]] = {}
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -106,6 +111,7 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
         self._runner_pool.shutdown(wait=True)
+        self._fail_grant_waiters(UnavailableError("engine is shutting down"))
         for stream in self._streams.values():
             stream.queue.put_nowait(UnavailableError("engine is shutting down"))
         self._streams.clear()
@@ -133,28 +139,50 @@ class AsyncEngine:
             yield out
 
     async def reserve(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        timeout_s: float | None = 0.0,
     ) -> tuple[KVLease, AsyncIterator[RequestOutput]]:
         """Reserve blocks for a prompt whose KV will arrive from a prefill worker.
 
-        Raises ResourceExhaustedError (nothing reserved) when the pool is full. The stream
-        yields outputs after ``kv_ready``; closing it early aborts and frees the lease.
+        When the pool cannot take it now, the request waits in the engine's reservation
+        FIFO (served as blocks free up, after preempted requests; no polling) for up to
+        ``timeout_s`` seconds (None: no bound; 0: not at all). Raises
+        ResourceExhaustedError (nothing reserved) when the wait ends or the FIFO is full.
+        The stream yields outputs after ``kv_ready``; closing it early aborts and frees
+        the lease.
         """
         self._check_alive()
         req = self.core.make_request(request_id, prompt_token_ids, params)
         stream = self._open(request_id)
         fut: concurrent.futures.Future[list[int]] = concurrent.futures.Future()
+        queue = timeout_s is None or timeout_s > 0
 
         def run() -> None:
             try:
-                blocks = self.core.scheduler.reserve_remote(req)
-                fut.set_result(blocks)
+                sched = self.core.scheduler
+                blocks = sched.queue_remote(req) if queue else sched.reserve_remote(req)
             except BaseException as exc:  # noqa: BLE001 - handed to the awaiting caller
-                fut.set_exception(exc)
+                _settle(fut, exc=exc)
+                return
+            if blocks is None:
+                self._grant_waiters[request_id] = fut  # resolved by _grant_reserved
+            else:
+                _settle(fut, blocks)
 
         self._submit("reserve", run)
+        began = time.monotonic()
         try:
-            blocks = await asyncio.wrap_future(fut)
+            try:
+                blocks = await asyncio.wait_for(asyncio.wrap_future(fut), timeout_s or None)
+            except TimeoutError:
+                raise ResourceExhaustedError(
+                    f"request {request_id}: no KV blocks within {time.monotonic() - began:.1f} s "
+                    f"(queued behind {self._snapshot.num_waiting} waiting request(s))"
+                ) from None
         except BaseException:
             self._streams.pop(request_id, None)
             # Idempotent: frees a lease granted after this caller stopped waiting.
@@ -181,6 +209,7 @@ class AsyncEngine:
         """Stop a request in any state and free its blocks. Non-blocking, idempotent."""
 
         def run() -> None:
+            self._grant_waiters.pop(request_id, None)  # its caller stopped waiting
             out = self.core.abort(request_id)
             if out is not None:
                 self._publish([out])
@@ -322,6 +351,19 @@ class AsyncEngine:
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._fail, rid, error)
 
+    def _grant_reserved(self) -> None:
+        """Serve the reservation FIFO with whatever blocks are free now."""
+        for req in self.core.scheduler.grant_reserved():
+            fut = self._grant_waiters.pop(req.request_id, None)
+            if fut is not None:
+                _settle(fut, req.block_ids)
+
+    def _fail_grant_waiters(self, exc: BaseException) -> None:
+        """Once the engine thread is gone: no queued reservation will ever be granted."""
+        waiters, self._grant_waiters = self._grant_waiters, {}
+        for fut in waiters.values():
+            _settle(fut, exc=exc)
+
     def _publish_stats(self) -> None:
         self._snapshot = self.core.stats()
         self._snapshot_at = time.monotonic()
@@ -335,6 +377,7 @@ class AsyncEngine:
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                 self._drain()
+                self._grant_reserved()
                 nxt = None
                 if core.has_work():
                     sched = core.scheduler.schedule()
@@ -343,6 +386,7 @@ class AsyncEngine:
                 if inflight is not None:
                     sched, fut = inflight
                     self._publish(core.update(sched, fut.result()))
+                    self._grant_reserved()
                 inflight = nxt
                 self._publish_stats()
             if inflight is not None:
@@ -350,7 +394,23 @@ class AsyncEngine:
         except BaseException as exc:
             logger.exception("engine thread died")
             self._dead = exc
+            self._fail_grant_waiters(UnavailableError(f"engine thread died: {exc!r}"))
             if self._loop is not None and not self._loop.is_closed():
                 self._loop.call_soon_threadsafe(
                     self._fail_all, UnavailableError(f"engine thread died: {exc!r}")
                 )
+
+
+def _settle(
+    fut: concurrent.futures.Future[list[int]],
+    result: list[int] | None = None,
+    exc: BaseException | None = None,
+) -> None:
+    """Resolve ``fut`` unless its waiter gave up (cancelled it) first; that waiter aborts
+    the request, which frees whatever was granted."""
+    with contextlib.suppress(concurrent.futures.InvalidStateError):
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            assert result is not None
+            fut.set_result(result)

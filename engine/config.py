@@ -150,6 +150,13 @@ class EngineConfig:
     cache_dir: str | None = None
     # GPU: run every step eagerly instead of replaying CUDA graphs for decode steps.
     enforce_eager: bool = False
+    # Bound of each engine queue: new requests waiting for a seat (prefill, single
+    # process) and reservations waiting for KV blocks (decode). Past it: RESOURCE_EXHAUSTED.
+    max_queued_requests: int = 256
+    # The free-block watermark: a reservation (decode) is granted only if it leaves free
+    # the blocks each admitted request needs for its next kv_growth_tokens tokens (capped
+    # by its max_tokens), so new arrivals do not push admitted requests into recompute.
+    kv_growth_tokens: int = 128
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
@@ -170,3 +177,7 @@ class EngineConfig:
             )
         if self.max_model_len < 0:
             raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")
+        if self.max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
+        if self.kv_growth_tokens < 0:
+            raise ValueError(f"kv_growth_tokens must be >= 0, got {self.kv_growth_tokens}")

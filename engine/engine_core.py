@@ -74,6 +74,8 @@ class EngineCore:
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_model_len=max_len,
+            max_queued=cfg.max_queued_requests,
+            growth_tokens=cfg.kv_growth_tokens,
         )
         logger.info(
             "engine ready: model=%s dtype=%s blocks=%d (%.1f MiB KV) max_model_len=%d",
@@ -147,7 +149,8 @@ class EngineCore:
         s = self.scheduler
         return EngineStats(
             num_running=len(s.running),
-            num_waiting=len(s.waiting),
+            # Reservations queued for blocks wait too (without blocks), as routing sees it.
+            num_waiting=len(s.waiting) + len(s.reserving),
             num_waiting_for_kv=len(s.remote),
             num_total_blocks=self.pool.num_blocks,
             num_free_blocks=self.pool.num_free,

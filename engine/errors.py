@@ -37,5 +37,14 @@ class InternalError(BatonError):
     one request it hit; the worker keeps serving the others."""
 
 
+class UnauthenticatedError(BatonError):
+    """The caller did not prove who it is (a missing or unknown API key)."""
+
+
+class PermissionDeniedError(BatonError):
+    """The caller is known but may not do this: a peer outside the worker's fleet, a
+    hand-off without the fleet's shared secret."""
+
+
 class LayoutMismatchError(ValueError, BatonError):
     """Two peers disagree on the KV layout; they must never exchange blocks."""

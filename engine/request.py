@@ -15,6 +15,7 @@ from engine.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued, no blocks
+    RESERVING = "reserving"  # in the reservation FIFO: waits for blocks its KV will land in
     WAITING_FOR_KV = "waiting_for_kv"  # blocks reserved, KV arrives from a prefill worker
     RUNNING = "running"  # has blocks, scheduled every step
     FINISHED = "finished"

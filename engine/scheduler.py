@@ -7,6 +7,15 @@ running request is preempted by recompute. Progress is ``num_computed_tokens`` a
 the request's logical length, so a prompt chunk, a decode token, a prefix-cache hit, a
 recompute after preemption and KV that arrived from a prefill worker are one idea.
 
+Admission (every queue has a bound; overflow is ResourceExhaustedError, RESOURCE_EXHAUSTED
+on the wire): new local requests wait in ``waiting`` (at most ``max_queued``); requests
+whose KV a prefill worker will write wait for their blocks in the reservation FIFO
+``reserving`` (at most ``max_queued``), served in order as blocks free up
+(``grant_reserved``). A reservation is granted only while no preempted request waits
+(those go first) and only if it leaves free the blocks every admitted request needs for
+its next ``growth_tokens`` tokens (``growth_blocks``, the watermark), so new arrivals do
+not push admitted requests into recompute.
+
 ``schedule`` may run while the previous step is still executing: a token sampled by
 that step is *pending* (counted, id not yet known); the runner fills it in. Blocks a
 step writes stay off-limits to remote writers until that step's results are applied:
@@ -73,7 +82,13 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        max_queued: int = 256,
+        growth_tokens: int = 0,
     ):
+        if max_queued < 1:
+            raise ValueError(f"max_queued must be >= 1, got {max_queued}")
+        if growth_tokens < 0:
+            raise ValueError(f"growth_tokens must be >= 0, got {growth_tokens}")
         self.pool = pool
         self.block_size = pool.block_size
         self.max_num_seqs = max_num_seqs
@@ -85,6 +100,12 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.remote: dict[str, Request] = {}  # blocks reserved, KV not yet arrived
+        # Remote-KV requests waiting, in arrival order, for blocks to be reserved.
+        self.reserving: deque[Request] = deque()
+        self.max_queued = max_queued
+        # A reservation must leave free the blocks every admitted request needs for its
+        # next ``growth_tokens`` tokens (capped by its max_tokens): the watermark.
+        self.growth_tokens = growth_tokens
         self.held: dict[str, list[int]] = {}  # finished, blocks kept for a transfer
         self._step_id = 0
         self.num_preemptions = 0
@@ -115,34 +136,114 @@ class Scheduler:
             )
 
     def add(self, req: Request) -> None:
+        """Queue a request whose prompt this engine computes. Raises ResourceExhaustedError
+        (nothing queued) when ``max_queued`` requests wait already."""
         self.check_admissible(req.request_id, req.num_prompt_tokens)
+        if len(self.waiting) >= self.max_queued:
+            raise ResourceExhaustedError(
+                f"request {req.request_id}: the engine queue is full "
+                f"({len(self.waiting)} waiting, max_queued_requests={self.max_queued})"
+            )
         req.status = RequestStatus.WAITING
         self.requests[req.request_id] = req
         self.waiting.append(req)
         self.num_prompt_tokens_total += req.num_prompt_tokens
 
     def reserve_remote(self, req: Request) -> list[int]:
-        """Allocate blocks for ``req``'s prompt, to be filled by a prefill worker.
+        """Allocate blocks for ``req``'s prompt, to be filled by a prefill worker, now.
 
-        Raises ResourceExhaustedError (allocating nothing) when the pool can't hold it.
+        Raises ResourceExhaustedError (allocating and queueing nothing) when it cannot be
+        granted at once: see ``queue_remote`` for the waiting kind.
         """
         self.check_admissible(req.request_id, req.num_prompt_tokens)
-        # A reservation is a promise of a seat in the running batch once the KV arrives.
-        if len(self.running) + len(self.remote) >= self.max_num_seqs:
+        refusal = self._refusal(req) or self._queue_ahead(req)
+        if refusal is not None:
+            raise ResourceExhaustedError(refusal)
+        return self._grant(req)
+
+    def queue_remote(self, req: Request) -> list[int] | None:
+        """Like ``reserve_remote``, but a request that cannot be granted now joins the
+        reservation FIFO (returns None); ``grant_reserved`` grants it later, or ``abort``
+        drops it. Raises ResourceExhaustedError (nothing queued) when the FIFO is full."""
+        self.check_admissible(req.request_id, req.num_prompt_tokens)
+        if self._queue_ahead(req) is None and self._refusal(req) is None:
+            return self._grant(req)
+        if len(self.reserving) >= self.max_queued:
             raise ResourceExhaustedError(
-                f"no free sequence slot for request {req.request_id} "
-                f"(max_num_seqs={self.max_num_seqs})"
+                f"request {req.request_id}: the KV reservation queue is full "
+                f"({len(self.reserving)} waiting, max_queued_requests={self.max_queued})"
             )
+        req.status = RequestStatus.RESERVING
+        self.requests[req.request_id] = req
+        self.reserving.append(req)
+        return None
+
+    def grant_reserved(self) -> list[Request]:
+        """Grant queued reservations from the head of the FIFO while the pool allows;
+        returns them (each now WAITING_FOR_KV with its ``block_ids``). Never skips the
+        head: a large request at the head is not overtaken by smaller ones behind it."""
+        granted: list[Request] = []
+        while self.reserving and self._refusal(self.reserving[0]) is None:
+            req = self.reserving.popleft()
+            self._grant(req)
+            granted.append(req)
+        return granted
+
+    def _queue_ahead(self, req: Request) -> str | None:
+        if self.reserving:
+            return (
+                f"no KV blocks for request {req.request_id} now: "
+                f"{len(self.reserving)} reservation(s) wait ahead of it"
+            )
+        return None
+
+    def _refusal(self, req: Request) -> str | None:
+        """Why ``req``'s reservation cannot be granted now; None if it can."""
+        rid = req.request_id
+        if self.waiting and self.waiting[0].num_preemptions:
+            preempted = sum(1 for r in self.waiting if r.num_preemptions)
+            return f"no KV blocks for request {rid} now: {preempted} preempted request(s) go first"
+        # A reservation is a promise of a seat in the running batch once the KV arrives.
+        admitted = len(self.running) + len(self.remote)
+        if admitted >= self.max_num_seqs:
+            return f"no free sequence slot for request {rid} (max_num_seqs={self.max_num_seqs})"
+        need = self._blocks_for(req.num_prompt_tokens)
         in_flight = frozenset().union(*self._writing.values())
-        blocks = self.pool.allocate(self._blocks_for(req.num_prompt_tokens), avoid=in_flight)
-        if blocks is None:
-            settling = sum(1 for b in in_flight if self.pool.ref_count(b) == 0)
-            raise ResourceExhaustedError(
-                f"no free KV blocks for request {req.request_id} "
-                f"({self._blocks_for(req.num_prompt_tokens)} needed, {self.pool.num_free} free"
+        settling = sum(1 for b in in_flight if self.pool.ref_count(b) == 0)
+        free = self.pool.num_free
+        # Its own growth counts too, unless nothing is admitted: then there is nothing to
+        # protect and a lone request may take the whole pool.
+        keep = self.growth_blocks() + self._growth_of(req) if admitted else 0
+        if need > free - settling or need + keep > free:
+            return (
+                f"no free KV blocks for request {rid} ({need} needed, {free} free"
                 + (f", {settling} of them still written by a step in flight" if settling else "")
+                + (f", {keep} kept for the growth of admitted requests" if keep else "")
                 + ")"
             )
+        return None
+
+    def growth_blocks(self) -> int:
+        """Blocks the admitted requests (running, and waiting for their KV) need for their
+        next ``growth_tokens`` tokens each (capped by their max_tokens), beyond what they
+        hold: the free-block watermark a new reservation must leave, besides its own
+        growth."""
+        if not self.growth_tokens:
+            return 0
+        return sum(self._growth_of(r) for r in (*self.running, *self.remote.values()))
+
+    def _growth_of(self, r: Request) -> int:
+        if not self.growth_tokens:
+            return 0
+        held = len(r.block_ids) or self._blocks_for(r.num_prompt_tokens)
+        end = max(self._logical_len(r), r.num_prompt_tokens) + self.growth_tokens
+        limit = min(r.num_prompt_tokens + r.params.max_tokens, self.max_seq_len)
+        return max(0, self._blocks_for(min(end, limit)) - held)
+
+    def _grant(self, req: Request) -> list[int]:
+        in_flight = frozenset().union(*self._writing.values())
+        blocks = self.pool.allocate(self._blocks_for(req.num_prompt_tokens), avoid=in_flight)
+        assert blocks is not None, "_refusal checked the pool"
         req.block_ids = blocks
         req.status = RequestStatus.WAITING_FOR_KV
         self.requests[req.request_id] = req
@@ -200,6 +301,8 @@ class Scheduler:
             self.running.remove(req)
         elif req.status is RequestStatus.WAITING_FOR_KV:
             del self.remote[request_id]
+        elif req.status is RequestStatus.RESERVING:
+            self.reserving.remove(req)
         req.hold_kv = False
         self._finish(req, FinishReason.ABORT)
         return RequestOutput(

@@ -2,6 +2,10 @@
 ends (the gRPC servicer; the OpenAI-compatible HTTP API when ``http_port`` is set), wired
 from one config.
 
+Limits and security come from the config too: the cap on concurrent streams, the public
+message size (from max_model_len), TLS on the public ports, API keys (gRPC metadata and
+the HTTP header alike), and mTLS towards the workers.
+
 ``__main__`` runs it under ``rpc.server.serve``; tests run it under an ``RpcServer``. The
 server reports SERVING once the tokenizer is loaded and a decode worker answered Stats;
 the HTTP listener binds first thing in ``ready`` and admits requests from then on, and
@@ -28,8 +32,10 @@ from gateway.router import Router
 from gateway.served_model import ServedModel, locate_model
 from gateway.servicer import BatonServicer
 from protos.baton.v1 import generate_pb2, generate_pb2_grpc
-from rpc.channels import ChannelCache
+from rpc.auth import ApiKeyInterceptor, ApiKeys
+from rpc.channels import CHANNEL_OPTIONS, ChannelCache, public_message_bytes, server_options
 from rpc.server import ServerSpec
+from rpc.tls import server_name_option
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +48,8 @@ class Gateway:
     ``model`` replaces the one named by the config (tests share one loaded tokenizer); the
     gateway closes only a model it made itself. ``tracer_provider`` (built in ``__main__``,
     or an in-memory one in tests) records the request spans; None records none.
-    ``resolver`` looks up ``dns:///`` targets (tests inject one). With a ``registry`` the gateway's metrics are registered on it.
+    ``resolver`` looks up ``dns:///`` targets (tests inject one). With a ``registry`` the
+    gateway's metrics are registered on it.
     """
 
     def __init__(
@@ -55,11 +62,20 @@ class Gateway:
         registry: CollectorRegistry | None = None,
     ) -> None:
         self.config = config
-        self.channels = ChannelCache()
+        # Files are read once, here: a bad one fails start-up, naming its flag.
+        self._tls = config.tls.load()
+        worker_tls = config.worker_tls.load()
+        self.api_keys = ApiKeys.from_file(config.api_keys_file) if config.api_keys_file else None
+        self.channels = ChannelCache(
+            CHANNEL_OPTIONS + server_name_option(config.worker_tls_server_name),
+            worker_tls.channel_credentials() if worker_tls is not None else None,
+        )
         self._owns_model = model is None
         self.model = model or ServedModel(
             locate_model(config.model, config.model_cache_dir), config.max_model_len
         )
+        # The public port reads no message larger than a prompt of max_model_len can be.
+        self.max_message_bytes = public_message_bytes(self.model.max_model_len())
         self.router = Router(
             config.decode,
             config.prefill,
@@ -81,7 +97,13 @@ class Gateway:
             registry.register(
                 WorkersCollector(lambda: ((w.kind.value, w.up) for w in self.router.workers))
             )
-        self.generation = Generation(self.model, self.dispatcher, tracer, self.metrics)
+        self.generation = Generation(
+            self.model,
+            self.dispatcher,
+            tracer,
+            self.metrics,
+            max_streams=config.max_concurrent_streams,
+        )
         self.servicer = BatonServicer(self.generation)
         self.http: HttpServer | None = None
         if config.http_port is not None:
@@ -92,6 +114,8 @@ class Gateway:
                 port=config.http_port,
                 grace_s=config.grace_s,
                 port_file=config.http_port_file,
+                tls=config.tls if self._tls is not None else None,
+                api_keys=self.api_keys,
             )
 
     def spec(self) -> ServerSpec:
@@ -105,6 +129,13 @@ class Gateway:
             grace_s=self.config.grace_s,
             port_file=self.config.port_file,
             on_stop=self.stop_http,
+            options=server_options(self.max_message_bytes),
+            credentials=(
+                self._tls.server_credentials(require_client_cert=False)
+                if self._tls is not None
+                else None
+            ),
+            interceptors=(ApiKeyInterceptor(self.api_keys),) if self.api_keys else (),
         )
 
     async def ready(self) -> None:

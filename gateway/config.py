@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.discovery import parse_target
+from rpc.tls import TlsFiles
 
 ENV_PREFIX = "BATON_GATEWAY_"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -53,6 +54,20 @@ class GatewayConfig:
     http_port_file: Path | None = None  # the bound HTTP port is written here
     http_request_timeout_s: float = 0.0  # deadline of an HTTP request without a header; 0: none
     otlp_endpoint: str | None = None  # export spans over OTLP/gRPC here; None: no export
+    # --- limits and security (gateway.admission, rpc.tls, rpc.auth) ---
+    # Streams (gRPC and HTTP together) in flight at once; past it RESOURCE_EXHAUSTED / 429.
+    max_concurrent_streams: int = 1024
+    # TLS on the public ports (gRPC and HTTP): certificate and key (PEM); None: plaintext.
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    # mTLS to the workers: the gateway's client certificate and key, the fleet's CA.
+    worker_tls_cert: Path | None = None
+    worker_tls_key: Path | None = None
+    worker_tls_ca: Path | None = None
+    # The name worker certificates are checked against (workers are dialled by IP).
+    worker_tls_server_name: str | None = None
+    # API keys, one per line; None: no authentication.
+    api_keys_file: Path | None = None
 
     def __post_init__(self) -> None:
         if not self.decode:
@@ -102,6 +117,24 @@ class GatewayConfig:
             raise ValueError(
                 f"http_request_timeout_s must be >= 0, got {self.http_request_timeout_s}"
             )
+        if self.max_concurrent_streams < 1:
+            raise ValueError(
+                f"max_concurrent_streams must be >= 1, got {self.max_concurrent_streams}"
+            )
+        # Raises if a certificate comes without its key (or the other way round).
+        _ = self.tls, self.worker_tls
+
+    @property
+    def tls(self) -> TlsFiles:
+        """The public ports' PEM files (no CA: clients authenticate with API keys)."""
+        return TlsFiles(self.tls_cert, self.tls_key, None, flag="--tls")
+
+    @property
+    def worker_tls(self) -> TlsFiles:
+        """The gateway's identity towards the workers, and the CA it trusts them by."""
+        return TlsFiles(
+            self.worker_tls_cert, self.worker_tls_key, self.worker_tls_ca, flag="--worker-tls"
+        )
 
     @classmethod
     def from_args(cls, argv: Sequence[str], env: Mapping[str, str]) -> GatewayConfig:
@@ -179,6 +212,14 @@ _FIELDS: dict[str, Callable[[str], Any]] = {
     "http_port_file": Path,
     "http_request_timeout_s": float,
     "otlp_endpoint": str,
+    "max_concurrent_streams": int,
+    "tls_cert": Path,
+    "tls_key": Path,
+    "worker_tls_cert": Path,
+    "worker_tls_key": Path,
+    "worker_tls_ca": Path,
+    "worker_tls_server_name": str,
+    "api_keys_file": Path,
 }
 
 
@@ -242,4 +283,21 @@ def _parser() -> argparse.ArgumentParser:
         help="deadline of an HTTP request that sends no X-Request-Timeout header; 0: none",
     )
     p.add_argument("--otlp-endpoint", help="export trace spans over OTLP/gRPC to this URL")
+    p.add_argument(
+        "--max-concurrent-streams",
+        help="streams in flight at once, gRPC and HTTP together (1024); past it "
+        "RESOURCE_EXHAUSTED / HTTP 429",
+    )
+    p.add_argument("--tls-cert", help="certificate (PEM) of the public ports; with --tls-key: TLS")
+    p.add_argument("--tls-key", help="private key (PEM) of the public ports")
+    p.add_argument("--worker-tls-cert", help="client certificate (PEM) towards the workers (mTLS)")
+    p.add_argument("--worker-tls-key", help="private key (PEM) of --worker-tls-cert")
+    p.add_argument("--worker-tls-ca", help="CA bundle (PEM) that signed the workers' certificates")
+    p.add_argument(
+        "--worker-tls-server-name", help="name the workers' certificates are checked against"
+    )
+    p.add_argument(
+        "--api-keys-file",
+        help="file of API keys, one per line; calls must send 'authorization: Bearer <key>'",
+    )
     return p

@@ -6,8 +6,11 @@ UNAVAILABLE or ABORTED *before any token arrived* is retried, up to ``max_retrie
 on another prefill worker when there is one, and on another decode worker when a fresh
 ``Stats`` gets no serving answer from the failed one. A request that finds no worker up
 waits briefly for one (``Router.route``). Once a token has reached the caller a failure is
-final, and surfaces with the same status code. Other codes (INVALID_ARGUMENT,
-RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED, ...) pass through at once, with the worker's message.
+final, and surfaces with the same status code. RESOURCE_EXHAUSTED before the first token
+(the decode worker had no KV room within its reserve timeout, or a queue was full) is
+retried on another decode worker that has not refused this request; when none is left
+it surfaces. Other codes (INVALID_ARGUMENT, DEADLINE_EXCEEDED, ...) pass through at once,
+with the worker's message.
 
 Closing the stream (the caller saw a stop string, or went away) cancels the ``Decode``
 call, which makes decode abort the request and free its blocks, and prefill's.
@@ -29,7 +32,12 @@ import grpc.aio
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from engine.errors import AbortedError, DeadlineExceededError, UnavailableError
+from engine.errors import (
+    AbortedError,
+    DeadlineExceededError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
 from gateway.router import Router
@@ -90,6 +98,8 @@ class Dispatcher:
             sampling_params=sampling_params_to_proto(job.params),
         )
         failed_prefill: list[str] = []
+        full_decode: list[str] = []  # answered RESOURCE_EXHAUSTED to this request
+        exhausted: ResourceExhaustedError | None = None
         metadata = metadata_for(job.trace_context)
         failed_decode: list[str] = []
         for attempt in range(1, self._max_attempts + 1):
@@ -99,9 +109,14 @@ class Dispatcher:
                 route = await self._router.route(
                     len(job.prompt_token_ids),
                     avoid_prefill=failed_prefill,
-                    avoid_decode=failed_decode,
+                    avoid_decode=[*failed_decode, *full_decode],
                     timeout=None if deadline is None else deadline - loop.time(),
                 )
+                if route.decode in full_decode:
+                    # Every decode worker that is up said it has no room; asking one
+                    # again would only wait out its reserve timeout a second time.
+                    assert exhausted is not None
+                    raise exhausted
                 route_span.set_attribute("baton.attempt", attempt)
                 route_span.set_attribute("baton.decode", route.decode)
                 if route.prefill:
@@ -139,6 +154,25 @@ class Dispatcher:
                     failed_prefill.append(route.prefill)
                 if not await self._probe(route):
                     failed_decode.append(route.decode)
+            except ResourceExhaustedError as exc:
+                # No room on that decode worker (or its prefill worker's queue is full):
+                # the worker is fine, so no probe; try another one.
+                if started or attempt == self._max_attempts:
+                    raise
+                logger.warning(
+                    "request %s: attempt %d/%d: decode %s (prefill %s) has no room (%s); "
+                    "trying another decode worker",
+                    job.request_id,
+                    attempt,
+                    self._max_attempts,
+                    route.decode,
+                    route.prefill or "-",
+                    exc,
+                )
+                full_decode.append(route.decode)
+                if route.prefill:
+                    failed_prefill.append(route.prefill)
+                exhausted = exc
 
     async def _attempt(
         self,

@@ -1,9 +1,10 @@
 """The one request path behind both front ends (gRPC ``Baton.Generate`` and OpenAI HTTP).
 
-validate -> tokenize -> dispatch to decode (deadline propagated) -> detokenize, apply stop
-strings -> deltas. A front end only maps its wire format onto a :class:`GenerateInput`
-(its own validator, run by :meth:`Generation.validate`) and the resulting
-:class:`GenerateDelta` s back onto its wire format.
+validate -> admit (at most ``max_streams`` in flight over both front ends; past it
+RESOURCE_EXHAUSTED at once) -> tokenize -> dispatch to decode (deadline propagated) ->
+detokenize, apply stop strings -> deltas. A front end only maps its wire format onto a
+:class:`GenerateInput` (its own validator, run by :meth:`Generation.validate`) and the
+resulting :class:`GenerateDelta` s back onto its wire format.
 
 Errors are raised as typed exceptions (ValueError / FieldError, ResourceExhaustedError,
 UnavailableError, DeadlineExceededError, ...); each front end maps them in one place
@@ -32,7 +33,7 @@ from typing import TypeVar
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from engine.errors import DeadlineExceededError
+from engine.errors import DeadlineExceededError, ResourceExhaustedError
 from gateway.dispatcher import DecodeJob, Dispatcher
 from gateway.metrics import GatewayMetrics, RequestTrack
 from gateway.output_processor import GenerateDelta, OutputProcessor
@@ -64,14 +65,34 @@ class Generation:
         dispatcher: Dispatcher,
         tracer: trace.Tracer | None = None,
         metrics: GatewayMetrics | None = None,
+        *,
+        max_streams: int = 1024,
     ) -> None:
+        if max_streams < 1:
+            raise ValueError(f"max_streams must be >= 1, got {max_streams}")
         self._model = model
         self._dispatcher = dispatcher
         self._tracer = tracer or trace.NoOpTracer()
         self._metrics = metrics
-        # Client-chosen ids of requests in flight here: a duplicate would make logs,
-        # cancellation and usage ambiguous, so it is refused.
+        # Ids of requests in flight here (both front ends): a duplicate would make logs,
+        # cancellation and usage ambiguous, so it is refused; their number is capped.
         self._in_flight: set[str] = set()
+        self.max_streams = max_streams
+
+    @property
+    def num_streams(self) -> int:
+        """Requests in flight now, gRPC and HTTP together."""
+        return len(self._in_flight)
+
+    def check_capacity(self) -> None:
+        """Raise ResourceExhaustedError when ``max_streams`` requests are in flight. A
+        front end calls it first thing, so a refusal costs next to nothing; ``stream``
+        calls it again when the request takes its slot."""
+        if len(self._in_flight) >= self.max_streams:
+            raise ResourceExhaustedError(
+                f"the gateway is at its limit of {self.max_streams} concurrent streams "
+                "(--max-concurrent-streams); retry later or on another gateway"
+            )
 
     @property
     def card(self) -> ModelCard:
@@ -125,6 +146,9 @@ class Generation:
         ``deadline`` is in ``loop.time()`` seconds (None: none). Closing the generator
         early cancels the request downstream.
         """
+        # Before any tokenizing: the tokenizer queue and every worker's queue stay
+        # bounded by this cap.
+        self.check_capacity()
         if rid in self._in_flight:
             raise FieldError(
                 "request_id", f"request_id {rid!r} is already in use by a request in flight"

@@ -34,7 +34,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from engine.errors import DeadlineExceededError
+from engine.errors import DeadlineExceededError, ResourceExhaustedError
 from gateway.generation import Generation
 from gateway.http_errors import BodyTooLargeError, HttpError, http_error_for
 from gateway.openai_request import REQUEST_ID_HEADER, Endpoint, OpenAIRequest, parse_request
@@ -111,9 +111,10 @@ class _Api:
     async def _generate(self, request: Request, endpoint: Endpoint) -> Response:
         rid: str | None = None
         try:
+            self._gen.check_capacity()
             deadline = self._deadline(request)
             raw = await _read_body(request)  # all of it, before anything else may receive()
-        except (FieldError, BodyTooLargeError) as exc:
+        except (FieldError, BodyTooLargeError, ResourceExhaustedError) as exc:
             return _error_response(http_error_for(exc))
         events = self._events(request, endpoint, raw, deadline)
         try:

@@ -16,6 +16,8 @@ exception                         status  type                     gRPC twin
 ``DeadlineExceededError``         504     timeout_error            DEADLINE_EXCEEDED
 ``TimeoutError``                  504     timeout_error            DEADLINE_EXCEEDED
 ``NotImplementedError``           501     server_error             UNIMPLEMENTED
+``UnauthenticatedError``          401     authentication_error     UNAUTHENTICATED
+``PermissionDeniedError``         403     permission_error         PERMISSION_DENIED
 anything else                     500     server_error             INTERNAL (logged)
 ================================  ======  =======================  ======================
 
@@ -78,6 +80,8 @@ _STATUS_OF: tuple[tuple[type[BaseException], int, str, str | None], ...] = (
     (errors.DeadlineExceededError, 504, "timeout_error", "deadline_exceeded"),
     (TimeoutError, 504, "timeout_error", "deadline_exceeded"),
     (NotImplementedError, 501, "server_error", "unimplemented"),
+    (errors.UnauthenticatedError, 401, "authentication_error", "invalid_api_key"),
+    (errors.PermissionDeniedError, 403, "permission_error", "permission_denied"),
 )
 
 

@@ -7,7 +7,8 @@ The same lifecycle as the gRPC server (rpc.server), for the same reasons::
     stop:   /v1 refused with 503 -> in-flight requests drain for up to grace_s ->
             uvicorn stops, cancelling what is left (which cancels their decode calls)
 
-``GET /health`` is always answered: 200 while open, 503 while starting or draining.
+``GET /health`` is always answered: 200 while open, 503 while starting or draining (no
+key needed). With TLS files the listener speaks HTTPS only.
 uvicorn's own signal handling is turned off: the gateway's ``__main__`` owns SIGTERM and
 stops both listeners together.
 """
@@ -25,7 +26,9 @@ from pathlib import Path
 import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from rpc.auth import REFUSAL, ApiKeys
 from rpc.server import write_port_file
+from rpc.tls import TlsFiles
 
 logger = logging.getLogger(__name__)
 
@@ -34,11 +37,13 @@ _FINAL_GRACE_S = 1
 
 
 class HttpGate:
-    """Admits ``/v1`` requests only while open, and counts the ones in flight (streams
+    """Admits ``/v1`` requests only while open and, with API keys, only with a valid
+    ``Authorization: Bearer <key>`` (401 otherwise); counts the ones in flight (streams
     included, until their last byte). An ASGI middleware around the app."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, api_keys: ApiKeys | None = None) -> None:
         self._app = app
+        self._api_keys = api_keys
         self.open = False
         self.reason = "the gateway is starting"
         self._in_flight = 0
@@ -67,11 +72,26 @@ class HttpGate:
             return await _json(send, 200 if self.open else 503, {"status": self._status()})
         if not scope["path"].startswith("/v1/"):
             return await self._app(scope, receive, send)
+        if self._api_keys is not None and not self._authorized(scope):
+            error = {"message": REFUSAL, "type": "authentication_error", "param": None}
+            return await _json(
+                send,
+                401,
+                {"error": {**error, "code": "invalid_api_key"}},
+                [(b"www-authenticate", b"Bearer")],
+            )
         if not self.open:
             error = {"message": self.reason, "type": "service_unavailable", "param": None}
             return await _json(send, 503, {"error": {**error, "code": "unavailable"}})
         with self._counted():
             await self._app(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        assert self._api_keys is not None
+        values = [v for k, v in scope["headers"] if k == b"authorization"]
+        if len(values) != 1:
+            return False
+        return self._api_keys.check_header(values[0].decode("latin-1"))
 
     def _status(self) -> str:
         return "serving" if self.open else self.reason
@@ -88,9 +108,12 @@ class HttpGate:
                 self._idle.set()
 
 
-async def _json(send: Send, status: int, body: object) -> None:
+async def _json(
+    send: Send, status: int, body: object, extra: list[tuple[bytes, bytes]] | None = None
+) -> None:
     data = json.dumps(body).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    headers += extra or []
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": data})
 
@@ -114,8 +137,11 @@ class HttpServer:
         port: int,
         grace_s: float,
         port_file: Path | None = None,
+        tls: TlsFiles | None = None,
+        api_keys: ApiKeys | None = None,
     ) -> None:
-        self.gate = HttpGate(app)
+        self.gate = HttpGate(app, api_keys)
+        self._tls = tls
         self.host = host
         self.port = port  # the bound port, once started
         self._grace_s = grace_s
@@ -147,6 +173,8 @@ class HttpServer:
             log_config=None,
             access_log=False,
             timeout_graceful_shutdown=_FINAL_GRACE_S,
+            ssl_certfile=str(self._tls.cert) if self._tls and self._tls.cert else None,
+            ssl_keyfile=str(self._tls.key) if self._tls and self._tls.key else None,
         )
         server = _Embedded(config)
         self._server = server

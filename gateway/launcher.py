@@ -42,6 +42,10 @@ class ClusterSpec:
     http_port: int | None = None  # the gateway's OpenAI-compatible HTTP; None: off, 0: any
     start_timeout_s: float = 600.0
     log_level: str = "WARNING"
+    # How the launcher's readiness probes dial TLS ports (a CA bundle, and a client
+    # certificate for mTLS workers); the TLS flags themselves go in worker_args and
+    # gateway_args. None: plaintext.
+    probe_credentials: grpc.ChannelCredentials | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "single"):
@@ -126,7 +130,7 @@ class LocalCluster:
         for proc in workers:
             self._await_port(proc, deadline)
         for proc in workers:
-            wait_serving(proc.address, deadline - time.monotonic(), proc)
+            wait_serving(proc.address, deadline - time.monotonic(), proc, s.probe_credentials)
         gw_args = ["gateway", "--model", s.model, "--log-level", s.log_level, *s.gateway_args]
         for addr in self.addresses("decode"):
             gw_args += ["--decode", addr]
@@ -137,7 +141,7 @@ class LocalCluster:
             gw_args += ["--http-port", str(s.http_port), "--http-port-file", str(http_port_file)]
         gateway = self._spawn("gateway", 0, gw_args, port=s.gateway_port)
         self._await_port(gateway, deadline)
-        wait_serving(gateway.address, deadline - time.monotonic(), gateway)
+        wait_serving(gateway.address, deadline - time.monotonic(), gateway, s.probe_credentials)
         self.gateway_address = gateway.address
         if s.http_port is not None:
             # Bound before the gateway reports SERVING, so the file is there by now.
@@ -222,10 +226,21 @@ class LocalCluster:
         raise TimeoutError(f"{proc.kind} did not report its port in time; log: {proc.log}")
 
 
-def wait_serving(address: str, timeout_s: float, proc: _Proc | None = None) -> None:
-    """Block until ``address`` reports SERVING on the standard health service."""
+def wait_serving(
+    address: str,
+    timeout_s: float,
+    proc: _Proc | None = None,
+    credentials: grpc.ChannelCredentials | None = None,
+) -> None:
+    """Block until ``address`` reports SERVING on the standard health service (over TLS
+    with ``credentials``)."""
     deadline = time.monotonic() + max(timeout_s, 0.0)
-    with grpc.insecure_channel(address) as channel:
+    channel = (
+        grpc.insecure_channel(address)
+        if credentials is None
+        else grpc.secure_channel(address, credentials)
+    )
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:

@@ -98,19 +98,7 @@ def read_model_card(source: ModelSource, tokenizer: Tokenizer, max_model_len: in
 
     Blocking (reads config files, or parses GGUF metadata).
     """
-    if source.gguf_file is None:
-        config = read_hf_config(ModelFiles(name=source.name, path=source.directory))
-        vocab_size = int(config["vocab_size"])
-        positions = int(config.get("max_position_embeddings", 2048))
-        eos_ids = [int(e) for e in config["eos_token_ids"]]
-    else:
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(source.directory, gguf_file=source.gguf_file)
-        vocab_size = int(config.vocab_size)
-        positions = int(getattr(config, "max_position_embeddings", 2048))
-        eos = config.eos_token_id
-        eos_ids = [] if eos is None else [int(eos)] if isinstance(eos, int) else list(eos)
+    vocab_size, positions, eos_ids = _read_config(source)
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos_ids:
         eos_ids.append(tokenizer.eos_token_id)
     if max_model_len > positions:
@@ -124,6 +112,29 @@ def read_model_card(source: ModelSource, tokenizer: Tokenizer, max_model_len: in
         eos_token_ids=tuple(eos_ids),
         has_chat_template=tokenizer.has_chat_template,
     )
+
+
+def read_max_model_len(source: ModelSource, max_model_len: int = 0) -> int:
+    """The context the gateway will serve, without loading the tokenizer: ``max_model_len``
+    if set, else the model's position limit. Blocking (reads config files)."""
+    return max_model_len or _read_config(source)[1]
+
+
+def _read_config(source: ModelSource) -> tuple[int, int, list[int]]:
+    """(vocab size, position limit, eos token ids) from the checkpoint's config."""
+    if source.gguf_file is None:
+        config = read_hf_config(ModelFiles(name=source.name, path=source.directory))
+        return (
+            int(config["vocab_size"]),
+            int(config.get("max_position_embeddings", 2048)),
+            [int(e) for e in config["eos_token_ids"]],
+        )
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(source.directory, gguf_file=source.gguf_file)
+    eos = hf.eos_token_id
+    eos_ids = [] if eos is None else [int(eos)] if isinstance(eos, int) else list(eos)
+    return int(hf.vocab_size), int(getattr(hf, "max_position_embeddings", 2048)), eos_ids
 
 
 class ServedModel:
@@ -150,6 +161,13 @@ class ServedModel:
     @property
     def loaded(self) -> bool:
         return self._card is not None
+
+    def max_model_len(self) -> int:
+        """The context served: the card's once loaded; before, read from the config
+        (blocking), for limits the server needs before it starts (message sizes)."""
+        if self._card is not None:
+            return self._card.max_model_len
+        return read_max_model_len(self.source, self._max_model_len)
 
     @property
     def card(self) -> ModelCard:

@@ -31,6 +31,7 @@ class BatonServicer(generate_pb2_grpc.BatonServicer):
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         gen = self._generation
+        gen.check_capacity()
         remaining = context.time_remaining()
         deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
         parent = context_from_metadata(context.invocation_metadata())

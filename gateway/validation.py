@@ -1,6 +1,7 @@
 """The gateway's edge check: a wire ``GenerateRequest`` in, a typed :class:`GenerateInput` out.
 
-Everything a client controls is checked here, before any tokenizing or routing, and every
+Everything a client controls is checked here, before any tokenizing or routing, counts
+and lengths before contents (nothing is copied out of an oversized list), and every
 failure is a :class:`FieldError` (a ``ValueError``) whose message starts with the field's
 path (``sampling_params.temperature``, ``stop[2]``, ``token_ids.ids[5]``,
 ``chat.messages[1].role``), which the error interceptor returns as INVALID_ARGUMENT.
@@ -98,6 +99,7 @@ def validate_generate_request(msg: generate_pb2.GenerateRequest, card: ModelCard
         text = check_text(msg.text, max_chars, "text")
     elif kind == "chat":
         check_chat_template(card, "chat", "send text or token_ids")
+        check_count(len(msg.chat.messages), max_chars, "chat.messages")
         turns = check_chat(
             [(m.role, m.content) for m in msg.chat.messages], max_chars, "chat.messages"
         )
@@ -179,6 +181,12 @@ def check_stop_strings(stop: Sequence[str], field: str) -> tuple[str, ...]:
     return tuple(stop)
 
 
+def check_count(count: int, limit: int, field: str) -> None:
+    """A list is checked by its length before its items are read."""
+    if count > limit:
+        raise FieldError(field, f"{field} has {count} entries; at most {limit} allowed")
+
+
 def check_text(text: str, max_chars: int, field: str) -> str:
     if not text:
         raise FieldError(field, f"{field} must be non-empty")
@@ -216,9 +224,11 @@ def check_chat(
 
 
 def check_token_ids(ids: Sequence[int], card: ModelCard, field: str) -> tuple[int, ...]:
-    ids = tuple(ids)
-    if not ids:
+    # The count first: nothing is copied or scanned for a prompt that cannot fit.
+    if not len(ids):
         raise FieldError(field, f"{field} must be non-empty")
+    check_prompt_length(field, len(ids), card)
+    ids = tuple(ids)
     for i, token in enumerate(ids):
         if (
             isinstance(token, bool)
@@ -229,5 +239,4 @@ def check_token_ids(ids: Sequence[int], card: ModelCard, field: str) -> tuple[in
                 f"{field}[{i}]",
                 f"{field}[{i}] is {token!r}, outside the vocabulary [0, {card.vocab_size})",
             )
-    check_prompt_length(field, len(ids), card)
     return ids

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from protos.baton.v1 import worker_pb2_grpc
 from rpc.metrics import WorkerCollector, WorkerSampler, metrics_endpoint, new_registry
 from rpc.server import ServerSpec, serve
-from rpc.worker_config import WorkerConfig
+from rpc.worker_config import WorkerConfig, WorkerSecurity
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -45,7 +45,8 @@ async def _run(cfg: WorkerConfig) -> None:
     # Imported here, so that --check-config answers without loading torch.
     from prefill_service.servicer import SERVICE_NAME, PrefillServicer
 
-    servicer = PrefillServicer(cfg)
+    security = WorkerSecurity.load(cfg)
+    servicer = PrefillServicer(cfg, fleet_key=security.fleet_key)
     spec = ServerSpec(
         name="prefill",
         register=lambda server: worker_pb2_grpc.add_PrefillWorkerServicer_to_server(
@@ -58,6 +59,8 @@ async def _run(cfg: WorkerConfig) -> None:
         grace_s=cfg.grace_s,
         port_file=cfg.port_file,
         fatal=servicer.fatal,
+        credentials=security.server_credentials(),
+        reflection=cfg.enable_reflection,
     )
     registry = new_registry()
     sampler = WorkerSampler(

@@ -22,10 +22,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.async_engine import AsyncEngine
-from engine.errors import AbortedError, CancelledError, LayoutMismatchError
+from engine.errors import (
+    AbortedError,
+    CancelledError,
+    LayoutMismatchError,
+    PermissionDeniedError,
+)
 from engine.kv_layout import KVLayout
 from engine.request import FinishReason, RequestOutput
 from engine.transfer.base import SendCompletion
+from engine.transfer.fleet_auth import FleetKey
 from engine.transfer.handoff import (
     Ack,
     FirstToken,
@@ -34,6 +40,8 @@ from engine.transfer.handoff import (
     PrefillOrder,
     Progress,
     TransferDone,
+    done_tag,
+    order_is_signed,
 )
 from prefill_service.kv_outbox import KVOutbox
 
@@ -56,12 +64,19 @@ class PrefillHandoff:
     """Runs the hand-off of every request on one prefill worker."""
 
     def __init__(
-        self, engine: AsyncEngine, outbox: KVOutbox, layout: KVLayout, limits: PrefillLimits
+        self,
+        engine: AsyncEngine,
+        outbox: KVOutbox,
+        layout: KVLayout,
+        limits: PrefillLimits,
+        fleet_key: FleetKey | None = None,
     ) -> None:
         self._engine = engine
         self._outbox = outbox
         self._layout = layout
         self._limits = limits
+        # With a key, an order must carry the fleet's tag and TransferDone carries ours.
+        self._fleet_key = fleet_key
         self._cleanups: set[asyncio.Task[None]] = set()
         # Hand-offs started and not yet acknowledged or failed (SIGTERM waits for them).
         self.in_flight = 0
@@ -109,7 +124,11 @@ class PrefillHandoff:
                 assert completion.error is not None
                 raise completion.error
             assert completion.checksum is not None
-            yield TransferDone(completion.checksum, completion.epoch, completion.num_bytes)
+            done = TransferDone(completion.checksum, completion.epoch, completion.num_bytes)
+            if self._fleet_key is not None:
+                tag = done_tag(self._fleet_key, rid, order.descriptor.lease_token, done)
+                done = dataclasses.replace(done, mac=tag)
+            yield done
             try:
                 ack = await asyncio.wait_for(anext(acks, None), self._limits.stall_s)
             except TimeoutError:
@@ -137,6 +156,11 @@ class PrefillHandoff:
             await asyncio.wait(self._cleanups, timeout=timeout_s)
 
     def _check(self, order: PrefillOrder) -> None:
+        if self._fleet_key is not None and not order_is_signed(self._fleet_key, order):
+            raise PermissionDeniedError(
+                f"request {order.request_id}: the order does not carry the fleet's secret; "
+                "only decode workers of this fleet may order a prefill"
+            )
         desc = order.descriptor
         mismatch = self._layout.mismatch(desc.endpoint.layout)
         if mismatch:

@@ -15,7 +15,7 @@ import torch
 
 from engine.kv_layout import KVLayout
 from engine.stats import TransferTally
-from engine.transfer.base import KVDescriptor, KVSender, SendCompletion, SendJob
+from engine.transfer.base import KVDescriptor, KVSender, SendCompletion, SendJob, TransferConfig
 from engine.transfer.factory import make_sender
 
 logger = logging.getLogger(__name__)
@@ -23,13 +23,18 @@ logger = logging.getLogger(__name__)
 
 class KVOutbox:
     def __init__(
-        self, kind: str, kv_cache: torch.Tensor, layout: KVLayout, loop: asyncio.AbstractEventLoop
+        self,
+        kind: str,
+        kv_cache: torch.Tensor,
+        layout: KVLayout,
+        loop: asyncio.AbstractEventLoop,
+        config: TransferConfig | None = None,
     ):
         self._loop = loop
         self._waiters: dict[str, asyncio.Future[SendCompletion]] = {}
         self._started: dict[str, float] = {}  # request id -> when its send was queued
         self.tally = TransferTally()  # every send's outcome, for the metrics endpoint
-        self.sender: KVSender = make_sender(kind, kv_cache, layout, notify=self._notify)
+        self.sender: KVSender = make_sender(kind, kv_cache, layout, config, notify=self._notify)
 
     def send(
         self, request_id: str, src_block_ids: list[int], desc: KVDescriptor, timeout_s: float

@@ -19,6 +19,8 @@ import grpc
 from engine.async_engine import AsyncEngine
 from engine.engine_core import EngineCore
 from engine.errors import UnavailableError
+from engine.transfer.base import TransferConfig
+from engine.transfer.fleet_auth import FleetKey
 from engine.transfer.handoff import Ack
 from prefill_service.handoff import PrefillHandoff, PrefillLimits
 from prefill_service.kv_outbox import KVOutbox
@@ -33,9 +35,13 @@ SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
-    def __init__(self, cfg: WorkerConfig):
+    """``fleet_key``: the fleet's shared secret (read once in ``__main__``): orders must
+    carry its tag, and the rendezvous store and transfer reports carry ours."""
+
+    def __init__(self, cfg: WorkerConfig, *, fleet_key: FleetKey | None = None):
         assert cfg.role == "prefill"
         self.cfg = cfg
+        self._fleet_key = fleet_key
         self.engine: AsyncEngine | None = None
         self.outbox: KVOutbox | None = None
         self.handoff: PrefillHandoff | None = None
@@ -50,9 +56,17 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         await asyncio.to_thread(core.warm_up)
         self.engine = AsyncEngine(core, on_death=self._engine_died)
         await self.engine.start()
-        self.outbox = KVOutbox(self.cfg.transport, core.runner.kv_cache, core.layout, loop)
+        self.outbox = KVOutbox(
+            self.cfg.transport,
+            core.runner.kv_cache,
+            core.layout,
+            loop,
+            TransferConfig(fleet_key=self._fleet_key),
+        )
         limits = PrefillLimits(stall_s=self.cfg.transfer_timeout_s)
-        self.handoff = PrefillHandoff(self.engine, self.outbox, core.layout, limits)
+        self.handoff = PrefillHandoff(
+            self.engine, self.outbox, core.layout, limits, self._fleet_key
+        )
         logger.info("prefill worker ready (incarnation %s)", self._incarnation)
 
     async def fatal(self) -> str:
@@ -93,7 +107,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self._engine()
         assert self.handoff is not None
         incoming = aiter(request_iterator)
-        order = prefill_order_from_proto(await anext(incoming, None))
+        order = prefill_order_from_proto(
+            await anext(incoming, None), self._engine().core.max_model_len
+        )
         acks = _acks(incoming)
         events = self.handoff.run(order, acks, context.time_remaining())
         async with contextlib.aclosing(events):

@@ -12,7 +12,7 @@ from typing import Any
 
 from engine.kv_layout import KVLayout
 from engine.request import FinishReason, RequestOutput, TokenLogprob
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 from engine.stats import EngineStats
 from engine.transfer.base import KVDescriptor, KVEndpoint
 from protos.baton.v1 import common_pb2, kv_pb2, worker_pb2
@@ -64,6 +64,11 @@ def sampling_params_from_proto(
         name: getattr(msg, name) for name in _OPTIONAL_SCALARS if msg.HasField(name)
     }
     if msg.stop_token_ids:
+        if len(msg.stop_token_ids) > MAX_STOP_TOKEN_IDS:  # counted before it is copied
+            raise ValueError(
+                f"{path}.stop_token_ids has {len(msg.stop_token_ids)} entries; at most "
+                f"{MAX_STOP_TOKEN_IDS} allowed"
+            )
         values["stop_token_ids"] = tuple(msg.stop_token_ids)
     try:
         return SamplingParams(**values)

@@ -38,19 +38,35 @@ def prefill_order_to_proto(order: PrefillOrder) -> worker_pb2.PrefillClientMessa
             prompt_token_ids=order.prompt_token_ids,
             sampling_params=sampling_params_to_proto(order.params),
             kv=kv_descriptor_to_proto(order.descriptor),
+            fleet_mac=order.mac,
         )
     )
 
 
-def prefill_order_from_proto(msg: worker_pb2.PrefillClientMessage | None) -> PrefillOrder:
-    """The first message of a Prefill stream, validated; ValueError names the field."""
+def prefill_order_from_proto(
+    msg: worker_pb2.PrefillClientMessage | None, max_model_len: int | None = None
+) -> PrefillOrder:
+    """The first message of a Prefill stream, validated; ValueError names the field.
+
+    Counts are checked before anything is copied out of the message: a prompt must leave
+    room for one token within ``max_model_len`` (when given), and a prompt of n tokens
+    never needs more than n blocks."""
     if msg is None or msg.WhichOneof("message") != "request":
         raise ValueError("the first message of a Prefill stream must be a request")
     req = msg.request
     if not req.request_id:
         raise ValueError("request.request_id is required")
-    if not req.prompt_token_ids:
+    num_prompt = len(req.prompt_token_ids)
+    if not num_prompt:
         raise ValueError("request.prompt_token_ids must not be empty")
+    if max_model_len is not None and num_prompt >= max_model_len:
+        raise ValueError(
+            f"request.prompt_token_ids has {num_prompt} tokens; max_model_len is {max_model_len}"
+        )
+    if len(req.kv.block_ids) > num_prompt:
+        raise ValueError(
+            f"request.kv.block_ids has {len(req.kv.block_ids)} blocks for {num_prompt} tokens"
+        )
     if not req.HasField("kv"):
         raise ValueError("request.kv is required")
     desc = kv_descriptor_from_proto(req.kv, path="request.kv")
@@ -63,6 +79,7 @@ def prefill_order_from_proto(msg: worker_pb2.PrefillClientMessage | None) -> Pre
         prompt_token_ids=tuple(req.prompt_token_ids),
         params=sampling_params_from_proto(req.sampling_params, path="request.sampling_params"),
         descriptor=desc,
+        mac=req.fleet_mac,
     )
 
 
@@ -89,6 +106,7 @@ def prefill_event_to_proto(request_id: str, event: PrefillEvent) -> worker_pb2.P
             checksum=event.checksum,
             epoch=event.epoch,
             num_bytes=event.num_bytes,
+            fleet_mac=event.mac,
         )
     )
 
@@ -112,7 +130,7 @@ def prefill_event_from_proto(msg: worker_pb2.PrefillServerMessage) -> PrefillEve
         )
     if which == "transfer_complete":
         done = msg.transfer_complete
-        return TransferDone(done.checksum, done.epoch, done.num_bytes)
+        return TransferDone(done.checksum, done.epoch, done.num_bytes, done.fleet_mac)
     raise ValueError(
         "a Prefill stream message must set one of progress, first_token, transfer_complete"
     )

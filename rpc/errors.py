@@ -15,6 +15,8 @@ exception                        status code
 ``engine.errors.CancelledError`` CANCELLED
 ``AbortedError``                 ABORTED
 ``NotImplementedError``          UNIMPLEMENTED
+``UnauthenticatedError``         UNAUTHENTICATED
+``PermissionDeniedError``        PERMISSION_DENIED
 ``InternalError``                INTERNAL (message kept, no traceback: already logged)
 anything else                    INTERNAL (traceback logged; the server keeps serving)
 ===============================  ======================
@@ -54,6 +56,8 @@ _STATUS_OF: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (errors.CancelledError, grpc.StatusCode.CANCELLED),
     (errors.AbortedError, grpc.StatusCode.ABORTED),
     (NotImplementedError, grpc.StatusCode.UNIMPLEMENTED),
+    (errors.UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED),
+    (errors.PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
     (errors.InternalError, grpc.StatusCode.INTERNAL),
 )
 
@@ -66,6 +70,8 @@ _ERROR_OF: dict[grpc.StatusCode, type[Exception]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceededError,
     grpc.StatusCode.CANCELLED: errors.CancelledError,
     grpc.StatusCode.ABORTED: errors.AbortedError,
+    grpc.StatusCode.UNAUTHENTICATED: errors.UnauthenticatedError,
+    grpc.StatusCode.PERMISSION_DENIED: errors.PermissionDeniedError,
 }
 
 

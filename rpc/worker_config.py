@@ -22,8 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
+
 from engine.config import EngineConfig
 from engine.transfer.base import check_transport_device
+from engine.transfer.fleet_auth import FleetKey
+from rpc.tls import TlsFiles, TlsMaterial
 
 ROLES = ("prefill", "decode", "both")
 TRANSPORTS = ("shm", "gloo", "cuda_ipc", "nccl")
@@ -54,6 +58,24 @@ class WorkerConfig:
     reserve_timeout_s: float = 10.0
     metrics_port: int = 0  # Prometheus metrics over HTTP on this port; 0: off
     log_level: str = "INFO"
+    # --- security (rpc.tls, decode_service.prefill_fleet, engine.transfer.fleet_auth) ---
+    # This worker's certificate and key, and the fleet's CA: with all three the port is
+    # mTLS (clients must present a certificate the CA signed) and decode dials prefill
+    # workers with the same certificate as its client identity.
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_ca: Path | None = None
+    # Decode: the name prefill workers' certificates are checked against (they are
+    # dialled by IP); None: the dialled host.
+    tls_server_name: str | None = None
+    # Serve gRPC reflection (off: only the fleet calls a worker).
+    enable_reflection: bool = False
+    # A file holding the fleet's shared secret: the KV hand-off and the gloo/nccl
+    # rendezvous refuse a peer that cannot prove it holds it.
+    fleet_secret_file: Path | None = None
+    # Decode: the prefill workers it may dial (host, host:port or dns:///name:port);
+    # empty: any.
+    prefill_allow: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -88,6 +110,17 @@ class WorkerConfig:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         if self.role != "both":  # a single-process worker moves no KV
             check_transport_device(self.transport, self.engine.device)
+        if self.tls_cert is not None or self.tls_key is not None or self.tls_ca is not None:
+            if None in (self.tls_cert, self.tls_key, self.tls_ca):
+                raise ValueError("tls_cert, tls_key and tls_ca must be given together (mTLS)")
+        if self.prefill_allow and self.role == "prefill":
+            raise ValueError("prefill_allow applies to decode workers only")
+
+
+    @property
+    def tls(self) -> TlsFiles:
+        """The worker's PEM files, named by their flags in errors."""
+        return TlsFiles(self.tls_cert, self.tls_key, self.tls_ca, flag="--tls")
 
     @property
     def reachable_host(self) -> str:
@@ -117,7 +150,9 @@ class WorkerConfig:
         worker: dict[str, Any] = {}
         engine: dict[str, Any] = {}
         for name, (convert, target) in _FIELDS.items():
-            raw = getattr(args, name)
+            raw = getattr(args, name, None)
+            if isinstance(raw, list):  # a repeated flag: join, then split on commas
+                raw = ",".join(raw)
             source = "--" + name.replace("_", "-")
             if raw is None:
                 source = prefix + name.upper()
@@ -171,9 +206,16 @@ def _bool(raw: str) -> bool:
     raise ValueError("expected true/false")
 
 
+def _list(raw: str) -> tuple[str, ...]:
+    return tuple(a.strip() for a in raw.split(",") if a.strip())
+
+
 def _optional_int(raw: str) -> int | None:
     return None if raw.lower() in ("", "none", "auto") else int(raw)
 
+
+# Flags that may repeat (their values are joined with commas).
+_REPEATED = frozenset({"prefill_allow"})
 
 # Field -> (conversion from text, which record it belongs to).
 _FIELDS: dict[str, tuple[Callable[[str], Any], str]] = {
@@ -202,6 +244,15 @@ _FIELDS: dict[str, tuple[Callable[[str], Any], str]] = {
     "advertise_host": (str, "worker"),
     "metrics_port": (int, "worker"),
     "log_level": (str.upper, "worker"),
+    "max_queued_requests": (int, "engine"),
+    "kv_growth_tokens": (int, "engine"),
+    "tls_cert": (Path, "worker"),
+    "tls_key": (Path, "worker"),
+    "tls_ca": (Path, "worker"),
+    "tls_server_name": (str, "worker"),
+    "enable_reflection": (_bool, "worker"),
+    "fleet_secret_file": (Path, "worker"),
+    "prefill_allow": (_list, "worker"),
 }
 
 _HELP = {
@@ -219,7 +270,6 @@ _HELP = {
     "num_threads": "torch compute threads; 0: torch's default",
     "cache_dir": "where converted GGUF checkpoints are cached",
     "enforce_eager": "GPU: no CUDA graphs, every step runs eagerly (true/false)",
-    "host": "interface to listen on",
     "host": "interface to listen on; 0.0.0.0: every interface",
     "advertise_host": "address peers reach this worker at, for gRPC and the KV rendezvous "
     "(default: --host, unless that is 0.0.0.0)",
@@ -234,6 +284,18 @@ _HELP = {
     "transfer_timeout_s": "longest a KV hand-off may take",
     "reserve_timeout_s": "decode: how long a request may wait for free KV blocks",
     "log_level": f"one of {', '.join(LOG_LEVELS)}",
+    "max_queued_requests": "bound of the engine queue (prefill) and the KV reservation queue "
+    "(decode); past it RESOURCE_EXHAUSTED",
+    "kv_growth_tokens": "decode: a reservation must leave free the blocks each admitted "
+    "request needs for this many more tokens",
+    "tls_cert": "this worker's certificate (PEM); with --tls-key and --tls-ca: mTLS",
+    "tls_key": "this worker's private key (PEM)",
+    "tls_ca": "the fleet's CA bundle (PEM): clients and prefill peers must be signed by it",
+    "tls_server_name": "decode: the name prefill certificates are checked against",
+    "enable_reflection": "serve gRPC reflection (true/false; default false)",
+    "fleet_secret_file": "file with the fleet's shared secret for the KV hand-off",
+    "prefill_allow": "decode: prefill workers it may dial (host, host:port, dns:///name:port; "
+    "comma-separated or repeated); default any",
 }
 
 
@@ -262,10 +324,36 @@ def _parser(role: str, prefix: str) -> argparse.ArgumentParser:
             help="run prefill and decode in this one engine (role=both)",
         )
     for name in _FIELDS:
-        p.add_argument("--" + name.replace("_", "-"), dest=name, help=_HELP[name])
+        if name == "prefill_allow" and role == "prefill":
+            continue
+        flag = "--" + name.replace("_", "-")
+        if name in _REPEATED:
+            p.add_argument(flag, dest=name, help=_HELP[name], action="append")
+        else:
+            p.add_argument(flag, dest=name, help=_HELP[name])
     p.add_argument(
         "--check-config",
         action="store_true",
         help="print the resolved configuration as JSON and exit (2 on an error)",
     )
     return p
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSecurity:
+    """What a worker's security flags point at, read once at start-up (``load``)."""
+
+    tls: TlsMaterial | None = None
+    fleet_key: FleetKey | None = None
+
+    @classmethod
+    def load(cls, cfg: WorkerConfig) -> WorkerSecurity:
+        """Read the PEM files and the fleet secret; ValueError names a bad flag."""
+        key = FleetKey.from_file(cfg.fleet_secret_file) if cfg.fleet_secret_file else None
+        return cls(tls=cfg.tls.load(), fleet_key=key)
+
+    def server_credentials(self) -> grpc.ServerCredentials | None:
+        """mTLS for the worker's port: clients must present a certificate of the fleet."""
+        if self.tls is None:
+            return None
+        return self.tls.server_credentials(require_client_cert=True)

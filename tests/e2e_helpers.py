@@ -55,6 +55,7 @@ class E2ECluster(LocalCluster):
         super().__init__(spec)
         self._extra = {"prefill": tuple(prefill_args), "decode": tuple(decode_args)}
         self._argv: dict[int, tuple[int, list[str]]] = {}
+        self._respawns = 0
 
     def _spawn(self, kind: str, index: int, argv: list[str], port: int = 0):  # noqa: ANN202
         extra = list(self._extra.get(kind, ()))
@@ -75,11 +76,15 @@ class E2ECluster(LocalCluster):
         return list(self._argv[id(proc)][1])
 
     def respawn(self, kind: str, argv: list[str], port: int, timeout_s: float = 120.0):  # noqa: ANN201
-        """Start a worker again on ``port`` (a restarted pod) and wait until it serves."""
-        proc = self._spawn(kind, 0, argv, port)
+        """Start a worker again on ``port`` (a restarted pod) and wait until it serves.
+
+        Each start gets its own port and log file (index 1000+), so a stale port file of
+        an earlier process is never taken for this one's."""
+        self._respawns += 1
+        proc = self._spawn(kind, 1000 + self._respawns, argv, port)
         deadline = time.monotonic() + timeout_s
         self._await_port(proc, deadline)
-        wait_serving(proc.address, deadline - time.monotonic(), proc)
+        wait_serving(proc.address, deadline - time.monotonic(), proc, self.spec.probe_credentials)
         return proc
 
     def live_workers(self) -> list[tuple[str, str]]:
@@ -112,6 +117,7 @@ def tiny_cluster(
     decode_args: Sequence[str] = (),
     gateway_args: Sequence[str] = (),
     http_port: int | None = None,
+    probe_credentials: grpc.ChannelCredentials | None = None,
 ) -> Iterator[E2ECluster]:
     """Start a cluster of the tiny model (float32, one compute thread per worker); stop
     it on the way out, whatever happened. ``http_port`` (0: any) turns on the gateway's
@@ -128,6 +134,7 @@ def tiny_cluster(
         start_timeout_s=180.0,
         log_level="INFO",
         http_port=http_port,
+        probe_credentials=probe_credentials,
     )
     with E2ECluster(spec, prefill_args=prefill_args, decode_args=decode_args) as cluster:
         yield cluster
@@ -220,9 +227,20 @@ def assert_completed(outcome: Outcome, max_tokens: int, logs: str = "") -> None:
 # --- workers ----------------------------------------------------------------------------
 
 
-async def worker_stats(address: str, kind: str, timeout: float = 2.0) -> worker_pb2.WorkerStats:
+def _channel(address: str, credentials: grpc.ChannelCredentials | None) -> grpc.aio.Channel:
+    if credentials is None:
+        return grpc.aio.insecure_channel(address)
+    return grpc.aio.secure_channel(address, credentials)
+
+
+async def worker_stats(
+    address: str,
+    kind: str,
+    timeout: float = 2.0,
+    credentials: grpc.ChannelCredentials | None = None,
+) -> worker_pb2.WorkerStats:
     """One ``Stats`` call to a ``kind`` ("prefill" or "decode") worker."""
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with _channel(address, credentials) as channel:
         stub_class = (
             worker_pb2_grpc.PrefillWorkerStub
             if kind == "prefill"
@@ -256,6 +274,7 @@ async def wait_settled(
     *,
     timeout: float = SETTLE_S,
     logs: Callable[[], str] = lambda: "",
+    credentials: grpc.ChannelCredentials | None = None,
 ) -> None:
     """Poll every (kind, address) worker until each is :func:`settled`; fail the test with
     their last stats (and the cluster's logs) after ``timeout`` seconds."""
@@ -265,7 +284,7 @@ async def wait_settled(
         pending = []
         for kind, address in workers:
             try:
-                stats = await worker_stats(address, kind)
+                stats = await worker_stats(address, kind, credentials=credentials)
             except grpc.aio.AioRpcError as err:
                 last[address] = f"Stats failed: {err.code().name}: {err.details()}"
                 pending.append(address)

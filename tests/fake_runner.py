@@ -21,7 +21,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from engine.block_pool import BlockPool
-from engine.errors import ResourceExhaustedError
 from engine.request import FinishReason, Request, RequestOutput, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import PENDING_TOKEN, SampledToken, Scheduler, SchedulerOutput
@@ -187,6 +186,8 @@ def make_scheduler(
     max_num_batched_tokens: int = 32,
     max_model_len: int = 128,
     enable_prefix_caching: bool = True,
+    max_queued: int = 256,
+    growth_tokens: int = 0,
 ) -> Scheduler:
     pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
     return Scheduler(
@@ -194,6 +195,8 @@ def make_scheduler(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
+        max_queued=max_queued,
+        growth_tokens=growth_tokens,
     )
 
 
@@ -258,6 +261,8 @@ class Driver:
     held: dict[str, list[int]] = field(default_factory=dict)
     steps: list[SchedulerOutput] = field(default_factory=list)
     num_schedules: int = 0
+    kv_delay: dict[str, int] = field(default_factory=dict)  # queued reservations
+    granted_at: dict[str, int] = field(default_factory=dict)  # rid -> tick of the grant
 
     @classmethod
     def build(cls, sched: Scheduler, **kwargs: object) -> Driver:
@@ -290,14 +295,17 @@ class Driver:
         self.sched.release_held(rid)
 
     def reserve(self, req: Request, kv_delay: int) -> None:
-        """Reserve blocks for ``req``'s remote KV (retrying each tick while the pool is
-        full, as a rejected transfer would be retried); the KV arrives ``kv_delay`` later."""
-        try:
-            self.sched.reserve_remote(req)
-        except ResourceExhaustedError:
-            self.reserve_at(self.num_schedules + 1, req, kv_delay)
-            return
-        self.at(self.num_schedules + kv_delay, lambda d: d.kv_arrives(req.request_id))
+        """Reserve blocks for ``req``'s remote KV, queueing in the reservation FIFO while
+        the pool is full (as the engine does); the KV arrives ``kv_delay`` ticks after
+        the blocks were granted."""
+        self.kv_delay[req.request_id] = kv_delay
+        if self.sched.queue_remote(req) is not None:
+            self._granted(req)
+
+    def _granted(self, req: Request) -> None:
+        delay = self.kv_delay.pop(req.request_id)
+        self.granted_at[req.request_id] = self.num_schedules
+        self.at(self.num_schedules + delay, lambda d: d.kv_arrives(req.request_id))
 
     def kv_arrives(self, rid: str) -> None:
         """A prefill worker filled ``rid``'s reserved blocks and sampled its first token."""
@@ -331,6 +339,8 @@ class Driver:
         while self.num_schedules in self.events:  # events may add events for this tick
             for event in self.events.pop(self.num_schedules):
                 event(self)
+        for req in self.sched.grant_reserved():  # as the engine loop does between steps
+            self._granted(req)
         self.num_schedules += 1
         check_accounting(self.sched)
         if not self.sched.has_work():
@@ -354,15 +364,30 @@ class Driver:
         self.collect(self.sched.update(out, results))
         check_accounting(self.sched)
 
+    def run_ticks(self, n: int) -> Driver:
+        """``n`` schedule calls, each step applied before the next (not overlapped)."""
+        for _ in range(n):
+            out = self._schedule()
+            if out is not None:
+                self._update(out, self.runner.execute(out))
+        return self
+
     def run(self, max_ticks: int = 3000) -> Driver:
         """Until no work, no pending event and nothing in flight; fails on a stall."""
         inflight: tuple[SchedulerOutput, list[SampledToken | None]] | None = None
-        while self.sched.has_work() or self.events or inflight is not None or self.sched.remote:
+        while (
+            self.sched.has_work()
+            or self.events
+            or inflight is not None
+            or self.sched.remote
+            or self.sched.reserving
+        ):
             assert self.num_schedules < max_ticks, (
                 f"no completion after {max_ticks} schedule calls: "
                 f"waiting={[r.request_id for r in self.sched.waiting]} "
                 f"running={[r.request_id for r in self.sched.running]} "
                 f"remote={list(self.sched.remote)} "
+                f"reserving={[r.request_id for r in self.sched.reserving]} "
                 f"free={self.sched.pool.num_free}/{self.sched.pool.num_blocks}"
             )
             out = self._schedule()

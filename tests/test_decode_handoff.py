@@ -20,11 +20,12 @@ import torch
 from decode_service.handoff import DecodeHandoff, HandoffLimits
 from decode_service.kv_inbox import KVInbox
 from engine.async_engine import AsyncEngine
-from engine.errors import AbortedError, DeadlineExceededError
+from engine.errors import AbortedError, DeadlineExceededError, PermissionDeniedError
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.transfer.base import SendJob, TransferConfig
 from engine.transfer.factory import make_sender
+from engine.transfer.fleet_auth import FleetKey
 from engine.transfer.handoff import (
     Ack,
     FirstToken,
@@ -33,6 +34,7 @@ from engine.transfer.handoff import (
     PrefillOrder,
     Progress,
     TransferDone,
+    order_is_signed,
 )
 from tests.engine_helpers import make_core
 
@@ -82,14 +84,15 @@ class Rig:
         # One layer per group, so a sender can be frozen between groups.
         self.sender = make_sender("shm", self.source, layout, TransferConfig(group_bytes=1))
 
-    def handoff(self, stall_s: float = STALL_S) -> DecodeHandoff:
+    def handoff(self, stall_s: float = STALL_S, fleet_key: FleetKey | None = None) -> DecodeHandoff:
         def open_link(address: str, remaining: float | None) -> ScriptedLink:
             self.opened.append((address, remaining))
             link = ScriptedLink(self.script)
             self.links.append(link)
             return link
 
-        return DecodeHandoff(self.engine, self.inbox, HandoffLimits(stall_s, 1.0), open_link)
+        limits = HandoffLimits(stall_s, 1.0)
+        return DecodeHandoff(self.engine, self.inbox, limits, open_link, fleet_key)
 
     def transfer(self, link: ScriptedLink, order: PrefillOrder, *, sender: str = "s1") -> None:
         """Really write the blocks, then report FirstToken and TransferDone."""
@@ -240,3 +243,17 @@ async def test_a_frozen_writer_keeps_its_blocks_quarantined(rig: Rig) -> None:
         assert rig.inbox.num_quarantined == 0
     finally:
         go.set()
+
+
+async def test_with_a_fleet_secret_orders_are_signed_and_unsigned_transfers_refused(
+    rig: Rig,
+) -> None:
+    key = FleetKey(b"fleet-secret-0123456789")
+    rig.script = rig.transfer  # a prefill worker without the secret: its TransferDone is bare
+    with pytest.raises(PermissionDeniedError, match="without the fleet's secret"):
+        await _collect(rig.handoff(fleet_key=key).run("f1", PROMPT, PARAMS, "p:1", None))
+    (link,) = rig.links
+    order = link.sent[0]
+    assert isinstance(order, PrefillOrder) and order_is_signed(key, order)
+    assert all(not isinstance(m, Ack) or not m.ok for m in link.sent[1:]), "never acked"
+    await rig.settle()

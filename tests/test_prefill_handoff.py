@@ -14,10 +14,20 @@ import pytest
 import pytest_asyncio
 
 from engine.async_engine import AsyncEngine
-from engine.errors import AbortedError, LayoutMismatchError
+from engine.errors import AbortedError, LayoutMismatchError, PermissionDeniedError
 from engine.sampling_params import SamplingParams
 from engine.transfer.factory import make_receiver
-from engine.transfer.handoff import Ack, FirstToken, Phase, PrefillOrder, Progress, TransferDone
+from engine.transfer.fleet_auth import FleetKey
+from engine.transfer.handoff import (
+    Ack,
+    FirstToken,
+    Phase,
+    PrefillOrder,
+    Progress,
+    TransferDone,
+    done_is_signed,
+    order_tag,
+)
 from prefill_service.handoff import PrefillHandoff, PrefillLimits
 from prefill_service.kv_outbox import KVOutbox
 from tests.engine_helpers import make_core
@@ -33,10 +43,10 @@ class Rig:
         self.outbox = outbox
         self.receiver = receiver
 
-    def handoff(self, **limits: float) -> PrefillHandoff:
+    def handoff(self, fleet_key: FleetKey | None = None, **limits: float) -> PrefillHandoff:
         values = {"stall_s": 2.0, "beat_s": STEP_S / 2, **limits}
         return PrefillHandoff(
-            self.engine, self.outbox, self.engine.core.layout, PrefillLimits(**values)
+            self.engine, self.outbox, self.engine.core.layout, PrefillLimits(**values), fleet_key
         )
 
     def order(self, rid: str, prompt: tuple[int, ...] = PROMPT, blocks: int = 5) -> PrefillOrder:
@@ -157,4 +167,25 @@ async def test_orders_that_do_not_fit_are_refused_before_anything_runs(rig: Rig)
     with pytest.raises(ValueError, match="needs 5"):
         async for _ in rig.handoff().run(rig.order("p6", blocks=4), _acks(), None):
             pass
+    await rig.settle()
+
+
+async def test_with_a_fleet_secret_only_signed_orders_run(rig: Rig) -> None:
+    key = FleetKey(b"fleet-secret-0123456789")
+    handoff = rig.handoff(key)
+    unsigned = rig.order("s1")
+    steps = rig.engine.stats().num_steps
+    with pytest.raises(PermissionDeniedError, match="does not carry the fleet's secret"):
+        async for _ in handoff.run(unsigned, _acks(), None):
+            pass
+    await asyncio.sleep(3 * STEP_S)
+    assert rig.engine.stats().num_steps == steps, "a refused order must not run"
+    rig.receiver.cancel("s1")
+    await asyncio.sleep(0.1)
+    rig.receiver.poll()
+    order = rig.order("s2")
+    signed = dataclasses.replace(order, mac=order_tag(key, order))
+    events = [e async for e in handoff.run(signed, _acks(Ack(True)), None)]
+    done = next(e for e in events if isinstance(e, TransferDone))
+    assert done_is_signed(key, "s2", order.descriptor.lease_token, done)
     await rig.settle()

@@ -534,7 +534,7 @@ def _scheduler_with_every_state() -> Scheduler:
         ("remote", 3, "request_id 'remote' is already in use"),
     ],
 )
-@pytest.mark.parametrize("entry", ["add", "reserve_remote"])
+@pytest.mark.parametrize("entry", ["add", "reserve_remote", "queue_remote"])
 def test_invalid_requests_raise_value_error_and_allocate_nothing(
     rid: str, n: int, message: str | None, entry: str
 ) -> None:
@@ -549,7 +549,7 @@ def test_invalid_requests_raise_value_error_and_allocate_nothing(
     assert pool_state(sched) == before
 
 
-@pytest.mark.parametrize("entry", ["add", "reserve_remote"])
+@pytest.mark.parametrize("entry", ["add", "reserve_remote", "queue_remote"])
 def test_prompt_needing_more_blocks_than_the_pool_has_is_rejected(entry: str) -> None:
     sched = make_scheduler(num_blocks=4, block_size=4, max_model_len=128)
     before = pool_state(sched)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import dataclasses
 import json
 import os
 import selectors
@@ -35,6 +36,7 @@ from engine.kv_layout import BLOCK_DIM, KVLayout
 from engine.transfer.base import KVDescriptor, KVEndpoint, SendJob, TransferConfig
 from engine.transfer.block_copy import torch_dtype
 from engine.transfer.factory import make_receiver, make_sender
+from engine.transfer.fleet_auth import FleetKey
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parent.parent
@@ -226,7 +228,11 @@ def _receive(args: argparse.Namespace) -> None:
 def _send(args: argparse.Namespace) -> None:
     layout = small_layout(args.dtype)
     source = random_pool(layout, args.src_pool_blocks, args.seed, args.device)
-    sender = make_sender(args.kind, source, layout, SMALL_GROUPS)
+    config = SMALL_GROUPS
+    if args.fleet_secret_file:
+        key = FleetKey.from_file(Path(args.fleet_secret_file))
+        config = dataclasses.replace(SMALL_GROUPS, fleet_key=key)
+    sender = make_sender(args.kind, source, layout, config)
     if args.stall_at_group >= 0:
 
         def stall(request_id: str, group: int) -> None:
@@ -274,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         default=-1,
         help="sender: freeze before this layer group, claim held",
     )
+    parser.add_argument("--fleet-secret-file", default="", help="sender: the fleet's secret")
     args = parser.parse_args(argv)
     if args.role == "receive":
         _receive(args)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from engine.errors import BatonError
 from engine.kv_layout import KVLayout
+from engine.transfer.fleet_auth import FleetKey
 
 if TYPE_CHECKING:
     import torch
@@ -65,6 +66,9 @@ class TransferConfig:
     # long without a job to it; a receiver drops a sender's pair after twice as long, so
     # a live sender always reconnects before its old pair is reaped.
     peer_idle_s: float = 300.0
+    # The fleet's shared secret (``fleet_auth``): with it, the gloo/nccl rendezvous admits
+    # only senders that prove they hold it, and senders prove it. None: no check.
+    fleet_key: FleetKey | None = None
 
     def __post_init__(self) -> None:
         if self.group_bytes < 1:

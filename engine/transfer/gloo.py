@@ -10,6 +10,8 @@ lease has ended, so late data never reaches reallocated blocks. Control (hello, 
 readiness, job headers) goes through the store; see ``store_protocol``. A link is used
 only after the receiver reports its side of the group built and proven by a handshake;
 every failure on the way is typed, and a failed pair never takes the receiver down.
+With a fleet secret in the config, the receiver admits only senders whose hello (and
+job headers) carry its tag.
 
 On a GPU (nccl) every copy, send and receive runs on the transport's own stream, after
 the fence of its hand-over (``cuda_stream``): never behind the engine's later kernels.
@@ -33,6 +35,7 @@ from engine.errors import (
     BatonError,
     DeadlineExceededError,
     LayoutMismatchError,
+    PermissionDeniedError,
     UnavailableError,
 )
 from engine.kv_layout import KVLayout
@@ -51,6 +54,7 @@ from engine.transfer.block_copy import (
     torch_dtype,
 )
 from engine.transfer.cuda_stream import FenceBook, TransferStream
+from engine.transfer.fleet_auth import FleetKey
 from engine.transfer.lease_receiver import Lease, LeaseReceiver
 from engine.transfer.pair_group import (
     RECEIVER_RANK,
@@ -65,12 +69,15 @@ from engine.transfer.pair_group import (
 )
 from engine.transfer.queued_sender import PeerLink, QueuedSender, StopCheck
 from engine.transfer.store_protocol import (
+    AUTH_HMAC,
     FLAG_ABORT,
     GROUP_HEADER_BYTES,
+    KEY_AUTH,
     KEY_HELLO_COUNT,
     KEY_INCARNATION,
     KEY_LAYOUT,
     READY_OK,
+    VERDICT_NO_SECRET,
     VERDICT_OK,
     Hello,
     JobHeader,
@@ -79,8 +86,12 @@ from engine.transfer.store_protocol import (
     hello_key,
     job_key,
     message_tag,
+    open_hello,
+    open_job,
     pair_prefix,
     ready_key,
+    sign_hello,
+    sign_job,
     verdict_key,
 )
 
@@ -133,6 +144,8 @@ class GlooReceiver(LeaseReceiver):
         self._port = self._store.port
         self._store.set(KEY_LAYOUT, encode_layout(layout))
         self._store.set(KEY_INCARNATION, self.incarnation)
+        if self.config.fleet_key is not None:
+            self._store.set(KEY_AUTH, AUTH_HMAC)
         self._endpoint = KVEndpoint(self.kind, f"{host}:{self._port}", self.incarnation,
                                     layout, num_blocks)
         self._pairs_lock = threading.Lock()
@@ -233,9 +246,22 @@ class GlooReceiver(LeaseReceiver):
             return self._store.add(KEY_HELLO_COUNT, 0) > n
 
         while (raw := self._hellos.take(skip_abandoned)) is not None:
-            self._admit(self._hellos.position - 1, Hello.from_bytes(raw))
+            self._admit(self._hellos.position - 1, raw)
 
-    def _admit(self, n: int, hello: Hello) -> None:
+    def _admit(self, n: int, raw: bytes) -> None:
+        try:
+            hello = open_hello(self.config.fleet_key, self.incarnation, n, raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            logger.warning("%s receiver %s: refused malformed hello %d: %s", self.kind,
+                           self.incarnation, n, exc)
+            self._store.set(verdict_key(n), f"receiver {self.incarnation} refused: "
+                                            f"malformed hello ({exc})")
+            return
+        if hello is None:
+            logger.warning("%s receiver %s: refused hello %d: it does not carry the fleet's "
+                           "secret", self.kind, self.incarnation, n)
+            self._store.set(verdict_key(n), f"receiver {self.incarnation} {VERDICT_NO_SECRET}")
+            return
         diff = self.layout.mismatch(hello.layout)
         if diff is not None:
             logger.warning("%s receiver %s: refused sender %s, KV layout differs (%s)",
@@ -295,7 +321,11 @@ class GlooReceiver(LeaseReceiver):
         try:
             while (raw := jobs.take()) is not None:
                 pair.last_active = time.monotonic()
-                header = JobHeader.from_bytes(raw)
+                signed = open_job(self.config.fleet_key, prefix, raw)
+                if signed is None:
+                    raise AbortedError(f"job {jobs.position - 1} does not carry the fleet's "
+                                       "secret")
+                header = JobHeader.from_bytes(signed)
                 if header.seq != jobs.position - 1:
                     raise AbortedError(f"job header seq {header.seq} under key "
                                        f"{jobs.position - 1}")
@@ -416,8 +446,9 @@ class GlooLink(PeerLink):
     def __init__(self, store: dist.TCPStore, pg: dist.ProcessGroup, prefix: str,
                  incarnation: str, kv: torch.Tensor, layout: KVLayout, config: TransferConfig,
                  pair_group: PairGroup, address: str, transfer: TransferStream,
-                 fences: FenceBook) -> None:
+                 fences: FenceBook, sign: FleetKey | None = None) -> None:
         self.incarnation = incarnation
+        self._sign = sign  # the receiver requires tagged job headers
         self._address = address
         self._transfer = transfer
         self._fences = fences
@@ -463,8 +494,11 @@ class GlooLink(PeerLink):
                 self.broken = True
                 raise
 
+        raw = header.to_bytes()
+        if self._sign is not None:
+            raw = sign_job(self._sign, self._prefix, raw)
         try:
-            self._store.set(job_key(self._prefix, header.seq), header.to_bytes())
+            self._store.set(job_key(self._prefix, header.seq), raw)
         except RuntimeError as exc:
             self.broken = True
             raise link_error(exc, f"request {job.request_id}: announcing the job") from exc
@@ -574,8 +608,19 @@ class GlooSender(QueuedSender):
             raise LayoutMismatchError(
                 f"receiver {live} at {endpoint.address} has a different KV layout ({diff})"
             )
+        key = self.config.fleet_key
+        auth = store.check([KEY_AUTH])
+        if auth and key is None:
+            raise PermissionDeniedError(
+                f"receiver {live} at {endpoint.address} admits only senders holding the "
+                "fleet's secret, and this one has none (--fleet-secret-file)"
+            )
         n = store.add(KEY_HELLO_COUNT, 1)
-        store.set(hello_key(n), Hello(self.incarnation, self.layout).to_bytes())
+        hello = Hello(self.incarnation, self.layout).to_bytes()
+        if auth:
+            assert key is not None
+            hello = sign_hello(key, live, n, hello)
+        store.set(hello_key(n), hello)
         try:
             store.wait([verdict_key(n)],
                        timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
@@ -583,6 +628,8 @@ class GlooSender(QueuedSender):
             raise DeadlineExceededError(f"receiver {live} did not answer hello {n}") from exc
         verdict = store.get(verdict_key(n)).decode()
         store.delete_key(verdict_key(n))
+        if verdict.endswith(VERDICT_NO_SECRET):
+            raise PermissionDeniedError(verdict)
         if verdict != VERDICT_OK:
             raise LayoutMismatchError(verdict)
         prefix = pair_prefix(live, self.incarnation, n)
@@ -619,4 +666,5 @@ class GlooSender(QueuedSender):
         logger.info("%s sender %s: joined receiver %s at %s (pair %d)", self.kind,
                     self.incarnation, live, endpoint.address, n)
         return GlooLink(store, pg, prefix, live, self.kv_cache, self.layout, self.config,
-                        self.pair_group, endpoint.address, self._transfer, self._fences)
+                        self.pair_group, endpoint.address, self._transfer, self._fences,
+                        key if auth else None)

@@ -17,18 +17,22 @@ prefills or transfers, one ``FirstToken`` and one ``TransferDone``:
 
 The lease's deadline moves forward with every ``Progress``, so the bound is on a peer
 that stops making progress, never on how long a long prompt takes to prefill. The
-protocol logic lives in ``decode_service.handoff`` and ``prefill_service.handoff``;
+protocol logic lives in ``decode_service.handoff`` and ``prefill_service.handoff``. With a
+fleet secret (``engine.transfer.fleet_auth``) the order and TransferDone carry tags
+(``order_tag``, ``done_tag``) and a peer without the secret is refused;
 rpc/convert maps these records to and from protos. Torch-free.
 """
 
 from __future__ import annotations
 
 import enum
+import hmac
 from dataclasses import dataclass
 
 from engine.request import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.transfer.base import KVDescriptor
+from engine.transfer.fleet_auth import FleetKey
 
 
 class Phase(enum.Enum):
@@ -47,6 +51,8 @@ class PrefillOrder:
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     descriptor: KVDescriptor
+    # ``order_tag`` under the fleet's secret; empty when the fleet has none.
+    mac: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +80,8 @@ class TransferDone:
     checksum: int
     epoch: int
     num_bytes: int
+    # ``done_tag`` under the fleet's secret; empty when the fleet has none.
+    mac: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,3 +94,41 @@ class Ack:
 
 # What a prefill worker sends on the stream.
 PrefillEvent = Progress | FirstToken | TransferDone
+
+
+def order_tag(key: FleetKey, order: PrefillOrder) -> bytes:
+    """What decode signs: the request, its prompt and the lease it grants."""
+    desc = order.descriptor
+    return key.tag(
+        "baton/prefill-order",
+        order.request_id,
+        order.prompt_token_ids,
+        desc.endpoint.kind,
+        desc.endpoint.address,
+        desc.endpoint.incarnation,
+        desc.lease_token,
+        desc.epoch,
+        desc.block_ids,
+    )
+
+
+def done_tag(key: FleetKey, request_id: str, lease_token: int, done: TransferDone) -> bytes:
+    """What prefill signs: the KV it wrote for the lease, by checksum and size."""
+    return key.tag(
+        "baton/transfer-done",
+        request_id,
+        lease_token,
+        done.epoch,
+        done.checksum,
+        done.num_bytes,
+    )
+
+
+def order_is_signed(key: FleetKey, order: PrefillOrder) -> bool:
+    """True when ``order.mac`` is the fleet's tag of it (constant-time compare)."""
+    return hmac.compare_digest(order.mac, order_tag(key, order))
+
+
+def done_is_signed(key: FleetKey, request_id: str, lease_token: int, done: TransferDone) -> bool:
+    """True when ``done.mac`` is the fleet's tag of it for this lease."""
+    return hmac.compare_digest(done.mac, done_tag(key, request_id, lease_token, done))

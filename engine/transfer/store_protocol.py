@@ -8,6 +8,9 @@ the group exists (``ready_key``): a link is usable only after that second answer
 Each job is announced by a ``JobHeader`` under ``job/<seq>``; its layer groups follow
 on the group, each message prefixed by ``GROUP_HEADER_BYTES`` (seq, group index, flags,
 payload bytes) so that a message can never be taken for another job's.
+With a fleet secret (``fleet_auth``) the receiver sets ``KEY_AUTH`` and accepts only a
+hello and job headers tagged with it, so a process that can reach the store but lacks the
+secret never gets a pair group, nor announces a job on one.
 Torch-free; fixed binary encodings, never pickles.
 """
 
@@ -17,12 +20,18 @@ import struct
 from dataclasses import dataclass
 
 from engine.kv_layout import DTYPE_SIZES, KVLayout
+from engine.transfer.fleet_auth import TAG_BYTES, FleetKey
 
 KEY_INCARNATION = "baton/incarnation"
 KEY_LAYOUT = "baton/layout"
 KEY_HELLO_COUNT = "baton/hello_count"
+# Set (to AUTH_HMAC) by a receiver that admits only senders holding the fleet's secret:
+# their hello and job headers then carry a tag (fleet_auth) after a separator.
+KEY_AUTH = "baton/auth"
+AUTH_HMAC = "hmac-sha256"
 VERDICT_OK = "ok"
 READY_OK = "ready"
+VERDICT_NO_SECRET = "refused: the hello does not carry the fleet's secret"
 GROUP_HEADER_WORDS = 4  # int64: seq, group, flags, payload bytes
 GROUP_HEADER_BYTES = 8 * GROUP_HEADER_WORDS
 FLAG_ABORT = 1  # the sender stopped this job; the payload is meaningless and no group follows
@@ -113,3 +122,39 @@ class JobHeader:
             raise ValueError(f"job header of {len(raw)} bytes too short for {n} blocks")
         blocks = struct.unpack_from(f"<{n}q", raw, _JOB_FIXED.size)
         return cls(seq, raw[end:].decode(), epoch, token, per_group, tuple(blocks))
+
+
+def sign_hello(key: FleetKey, receiver_incarnation: str, n: int, hello: bytes) -> bytes:
+    """The store value of hello ``n`` to ``receiver_incarnation``: the hello and its tag."""
+    tag = key.tag("baton/gloo-hello", receiver_incarnation, n, hello)
+    return hello + b"|" + tag.hex().encode()
+
+
+def open_hello(
+    key: FleetKey | None, receiver_incarnation: str, n: int, raw: bytes
+) -> Hello | None:
+    """The hello in a store value; None when ``key`` is set and the tag is missing or
+    wrong. Raises ValueError for a malformed value."""
+    if key is None:
+        return Hello.from_bytes(raw)
+    body, sep, tag = raw.rpartition(b"|")
+    try:
+        tag_bytes = bytes.fromhex(tag.decode("ascii"))
+    except (UnicodeDecodeError, ValueError):
+        return None
+    if not sep or not key.check(tag_bytes, "baton/gloo-hello", receiver_incarnation, n, body):
+        return None
+    return Hello.from_bytes(body)
+
+
+def sign_job(key: FleetKey, prefix: str, header: bytes) -> bytes:
+    """A job header as stored on a pair whose receiver requires the fleet's secret."""
+    return key.tag("baton/gloo-job", prefix, header) + header
+
+
+def open_job(key: FleetKey | None, prefix: str, raw: bytes) -> bytes | None:
+    """The header bytes of a stored job; None when the tag is missing or wrong."""
+    if key is None:
+        return raw
+    tag, header = raw[:TAG_BYTES], raw[TAG_BYTES:]
+    return header if key.check(tag, "baton/gloo-job", prefix, header) else None

@@ -32,16 +32,18 @@ WORKER_ROLE_DECODE: WorkerRole
 WORKER_ROLE_BOTH: WorkerRole
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "kv")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "kv", "fleet_mac")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
+    FLEET_MAC_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: _common_pb2.SamplingParameters
     kv: _kv_pb2.KVDescriptor
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParameters, _Mapping]] = ..., kv: _Optional[_Union[_kv_pb2.KVDescriptor, _Mapping]] = ...) -> None: ...
+    fleet_mac: bytes
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParameters, _Mapping]] = ..., kv: _Optional[_Union[_kv_pb2.KVDescriptor, _Mapping]] = ..., fleet_mac: _Optional[bytes] = ...) -> None: ...
 
 class TransferAck(_message.Message):
     __slots__ = ("request_id", "ok", "reason")
@@ -84,16 +86,18 @@ class PrefillProgress(_message.Message):
     def __init__(self, phase: _Optional[_Union[PrefillPhase, str]] = ..., num_computed_tokens: _Optional[int] = ...) -> None: ...
 
 class TransferComplete(_message.Message):
-    __slots__ = ("request_id", "checksum", "epoch", "num_bytes")
+    __slots__ = ("request_id", "checksum", "epoch", "num_bytes", "fleet_mac")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FLEET_MAC_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     checksum: int
     epoch: int
     num_bytes: int
-    def __init__(self, request_id: _Optional[str] = ..., checksum: _Optional[int] = ..., epoch: _Optional[int] = ..., num_bytes: _Optional[int] = ...) -> None: ...
+    fleet_mac: bytes
+    def __init__(self, request_id: _Optional[str] = ..., checksum: _Optional[int] = ..., epoch: _Optional[int] = ..., num_bytes: _Optional[int] = ..., fleet_mac: _Optional[bytes] = ...) -> None: ...
 
 class PrefillServerMessage(_message.Message):
     __slots__ = ("first_token", "transfer_complete", "progress")

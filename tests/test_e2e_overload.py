@@ -1,0 +1,203 @@
+"""Load and overload through real processes on the tiny model.
+
+- 256 concurrent streams through one gateway: all complete, with greedy tokens equal to
+  HF's (a divergence counts only at a near tie), although decode seats only 64 at once:
+  the rest wait in its reservation FIFO, served as blocks free up.
+- 4x over a gateway's capacity (256 streams at a cap of 64): the excess gets
+  RESOURCE_EXHAUSTED within a second, nothing else fails, the processes' RSS does not
+  grow from one burst to the next, and every worker's free KV blocks return to their
+  initial value.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from gateway.launcher import wait_serving
+from tests.e2e_helpers import (
+    E2ECluster,
+    Outcome,
+    assert_completed,
+    collect,
+    gateway_stub,
+    generate,
+    ids_request,
+    prompt_ids,
+    tiny_cluster,
+    wait_settled,
+    worker_stats,
+)
+from tests.engine_helpers import compare_greedy, hf_greedy, hf_model
+
+MAX_TOKENS = 12
+# Bursts use longer streams, so the admitted ones hold their slots for the whole burst.
+BURST_TOKENS = 64
+PROMPT_LEN = 24
+LABELS = [f"load-{i}" for i in range(16)]  # 16 distinct prompts, each sent many times
+STREAMS = 256
+SMALL_CAP = 64
+# How fast a refusal must come, and how much a process may grow from one burst to the next.
+REFUSAL_S = 1.0
+RSS_GROWTH_BYTES = 48 << 20
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama: Path) -> Iterator[E2ECluster]:
+    with tiny_cluster(
+        tiny_llama,
+        worker_args=("--max-queued-requests", "512", "--num-blocks", "1024"),
+        decode_args=("--max-num-seqs", "64", "--reserve-timeout-s", "120"),
+        gateway_args=("--max-concurrent-streams", str(STREAMS)),
+    ) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama: Path) -> dict[str, tuple[list[int], Any]]:
+    """HF's greedy continuation (BURST_TOKENS long; shorter requests check its prefix)."""
+    hf = hf_model(tiny_llama)
+    return {label: hf_greedy(hf, prompt_ids(PROMPT_LEN, label), BURST_TOKENS) for label in LABELS}
+
+
+def _check_tokens(
+    outcomes: list[Outcome], labels: list[str], reference: dict, max_tokens: int = MAX_TOKENS
+) -> list[str]:
+    verdicts = []
+    for outcome, label in zip(outcomes, labels, strict=True):
+        assert_completed(outcome, max_tokens)
+        tokens = [t for r in outcome.responses for t in r.token_ids]
+        ref, logits = reference[label]
+        verdicts.append(compare_greedy(tokens, ref[:max_tokens], logits))
+    assert "mismatch" not in verdicts, verdicts
+    return verdicts
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def _workers(cluster: E2ECluster) -> list[tuple[str, str]]:
+    return [(k, a) for k in ("prefill", "decode") for a in cluster.addresses(k)]
+
+
+async def _free_blocks(cluster: E2ECluster) -> dict[str, int]:
+    return {a: (await worker_stats(a, k)).free_kv_blocks for k, a in _workers(cluster)}
+
+
+def test_256_concurrent_streams_all_complete_and_are_correct(
+    cluster: E2ECluster, reference: dict
+) -> None:
+    labels = [LABELS[i % len(LABELS)] for i in range(STREAMS)]
+
+    async def run() -> list[Outcome]:
+        initial = await _free_blocks(cluster)
+        async with gateway_stub(cluster.gateway_address) as stub:
+            began = time.monotonic()
+            outcomes = await asyncio.gather(
+                *(
+                    generate(stub, ids_request(PROMPT_LEN, label, max_tokens=MAX_TOKENS), 180)
+                    for label in labels
+                )
+            )
+            print(f"{STREAMS} concurrent streams in {time.monotonic() - began:.1f} s")
+        await wait_settled(_workers(cluster), logs=cluster.logs)
+        assert await _free_blocks(cluster) == initial
+        return outcomes
+
+    outcomes = asyncio.run(run())
+    failed = [str(o) for o in outcomes if o.code is not grpc.StatusCode.OK]
+    assert not failed, f"{len(failed)} failed, e.g. {failed[:3]}\n{cluster.logs()}"
+    verdicts = _check_tokens(outcomes, labels, reference)
+    print(f"equal={verdicts.count('equal')} ties={verdicts.count('tie')}")
+    assert verdicts.count("tie") <= STREAMS // 8
+
+
+def test_four_times_over_capacity_the_excess_is_refused_at_once(
+    cluster: E2ECluster, reference: dict
+) -> None:
+    # A second gateway in front of the same workers, with a quarter of the capacity.
+    gw_args = ["gateway", "--model", cluster.spec.model, "--log-level", "INFO"]
+    gw_args += ["--max-concurrent-streams", str(SMALL_CAP), "--stats-interval-s", "0.1"]
+    for kind in ("decode", "prefill"):
+        for address in cluster.addresses(kind):
+            gw_args += [f"--{kind}", address]
+    t0 = time.monotonic()
+    small = cluster._spawn("gateway", 1, gw_args)
+    cluster._await_port(small, time.monotonic() + 120)
+    wait_serving(small.address, 120, small)
+    print(f"second gateway up in {time.monotonic() - t0:.1f} s")
+    pids = {p.kind + p.address: p.popen.pid for p in cluster.procs}
+    labels = [LABELS[i % len(LABELS)] for i in range(4 * SMALL_CAP)]
+
+    async def burst() -> list[Outcome]:
+        """SMALL_CAP streams take every slot; then three times as many arrive at once."""
+        async with gateway_stub(small.address) as stub:
+            admitted = [
+                stub.Generate(ids_request(PROMPT_LEN, label, max_tokens=BURST_TOKENS), timeout=180)
+                for label in labels[:SMALL_CAP]
+            ]
+            began = time.monotonic()
+            firsts = await asyncio.gather(*(call.read() for call in admitted))
+            excess = await asyncio.gather(
+                *(
+                    generate(stub, ids_request(PROMPT_LEN, label, max_tokens=BURST_TOKENS), 180)
+                    for label in labels[SMALL_CAP:]
+                )
+            )
+            rest = await asyncio.gather(*(collect(call, began) for call in admitted))
+        for first, outcome in zip(firsts, rest, strict=True):
+            outcome.responses.insert(0, first)
+        return rest + excess
+
+    async def run() -> list[list[Outcome]]:
+        initial = await _free_blocks(cluster)
+        rounds = []
+        for _ in range(3):
+            t0 = time.monotonic()
+            rounds.append(await burst())
+            print(f"burst took {time.monotonic() - t0:.1f} s")
+            await wait_settled(_workers(cluster), logs=cluster.logs)
+            assert await _free_blocks(cluster) == initial
+            rss.append({name: _rss(pid) for name, pid in pids.items()})
+        return rounds
+
+    rss: list[dict[str, int]] = []
+    rounds = asyncio.run(run())
+    for outcomes in rounds:
+        served = [
+            (o, label) for o, label in zip(outcomes, labels, strict=True) if o.code.name == "OK"
+        ]
+        refused = [o for o in outcomes if o.code is grpc.StatusCode.RESOURCE_EXHAUSTED]
+        others = [str(o) for o in outcomes if o.code.name not in ("OK", "RESOURCE_EXHAUSTED")]
+        assert not others, f"{len(others)} failed otherwise, e.g. {others[:3]}"
+        assert len(served) >= SMALL_CAP and len(refused) >= 2 * SMALL_CAP, (
+            len(served),
+            len(refused),
+        )
+        slowest = max(o.elapsed_s for o in refused)
+        times = sorted(o.elapsed_s for o in refused)
+        assert slowest < REFUSAL_S, f"a refusal took {slowest:.2f} s"
+        assert all(f"limit of {SMALL_CAP} concurrent streams" in o.details for o in refused)
+        _check_tokens(
+            [o for o, _ in served], [label for _, label in served], reference, BURST_TOKENS
+        )
+        print(
+            f"4x burst: {len(served)} served, {len(refused)} refused in "
+            f"{times[len(times) // 2] * 1000:.0f} ms (p50) / {slowest * 1000:.0f} ms (max)"
+        )
+    # RSS: no process grows from the second burst to the third.
+    for name in pids:
+        growth = rss[2][name] - rss[1][name]
+        print(f"RSS {name}: {rss[0][name] >> 20} / {rss[1][name] >> 20} / {rss[2][name] >> 20} MiB")
+        assert growth < RSS_GROWTH_BYTES, f"{name} grew {growth >> 20} MiB in one burst"
