@@ -15,14 +15,15 @@ from collections.abc import Sequence
 
 from gateway.app import Gateway
 from gateway.config import GatewayConfig
-from gateway.discovery import Resolver, system_resolver
+from gateway.discovery import Resolver, file_resolver, system_resolver
 from rpc.metrics import metrics_endpoint, new_registry
 from rpc.server import serve
 from rpc.tracing import build_tracer_provider
 
 
 def main(argv: Sequence[str] | None = None, *, resolver: Resolver = system_resolver) -> int:
-    """Run the gateway; ``resolver`` looks up dns:/// targets (a test may map names)."""
+    """Run the gateway; ``resolver`` looks up dns:/// targets unless ``--resolve-file``
+    names a file to answer them from."""
     try:
         config, check_only = GatewayConfig.parse(sys.argv[1:] if argv is None else argv, os.environ)
     except ValueError as err:
@@ -34,6 +35,8 @@ def main(argv: Sequence[str] | None = None, *, resolver: Resolver = system_resol
     logging.basicConfig(
         level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if config.resolve_file is not None:
+        resolver = file_resolver(config.resolve_file)
     try:
         asyncio.run(_run(config, resolver))
     except ValueError as err:  # an unusable model or address, found at start-up
@@ -45,9 +48,7 @@ def main(argv: Sequence[str] | None = None, *, resolver: Resolver = system_resol
 async def _run(config: GatewayConfig, resolver: Resolver) -> None:
     tracer_provider = build_tracer_provider("baton-gateway", config.otlp_endpoint)
     registry = new_registry()
-    gateway = Gateway(
-        config, tracer_provider=tracer_provider, resolver=resolver, registry=registry
-    )
+    gateway = Gateway(config, tracer_provider=tracer_provider, resolver=resolver, registry=registry)
     try:
         with metrics_endpoint(registry, config.metrics_port, config.host):
             await serve(gateway.spec())

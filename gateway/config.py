@@ -44,6 +44,9 @@ class GatewayConfig:
     # How long a request that finds no worker of a kind up waits for one (within its deadline).
     wait_for_worker_s: float = 3.0
     resolve_interval_s: float = 5.0  # how often dns:/// targets are looked up again
+    # Answer dns:/// lookups from this JSON file ({"NAME:PORT": ["HOST:PORT", ...]}),
+    # read again at every lookup, instead of DNS: the local launcher's fleets.
+    resolve_file: Path | None = None
     # Pair each decode worker with a prefill worker on its own host (co-located pods,
     # whose KV moves over shm / cuda_ipc and cannot cross hosts).
     same_host_prefill: bool = False
@@ -205,6 +208,7 @@ _FIELDS: dict[str, Callable[[str], Any]] = {
     "worker_down_after_s": float,
     "wait_for_worker_s": float,
     "resolve_interval_s": float,
+    "resolve_file": Path,
     "same_host_prefill": _bool,
     "metrics_port": int,
     "log_level": str.upper,
@@ -261,6 +265,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--resolve-interval-s", help="seconds between DNS lookups of dns:/// targets (5)"
+    )
+    p.add_argument(
+        "--resolve-file",
+        help='answer dns:/// lookups from this JSON file, {"NAME:PORT": ["HOST:PORT", ...]}, '
+        "read again at every lookup, instead of DNS (the local launcher uses it)",
     )
     p.add_argument(
         "--same-host-prefill",

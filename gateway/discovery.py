@@ -8,20 +8,23 @@ A fleet is named by targets, each one of:
 - ``HOST:PORT``: that one address, as written (no lookup).
 
 :class:`Fleet` turns a fleet's targets into the set of worker addresses it has now. The
-lookup itself is a :data:`Resolver`, injectable so that tests (and a local launcher) can
-map names without a DNS server. A name that does not exist (NXDOMAIN: a headless Service
-with no ready pod) resolves to nothing; a lookup that *fails* (no DNS server, a timeout)
-keeps that target's last answer, so a DNS outage never empties a fleet that is serving.
+lookup itself is a :data:`Resolver`, injectable so that tests and the local launcher can
+map names without a DNS server (:func:`file_resolver`). A name that does not exist
+(NXDOMAIN: a headless Service with no ready pod) resolves to nothing; a lookup that
+*fails* (no DNS server, a timeout) keeps that target's last answer, so a DNS outage never
+empties a fleet that is serving.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ipaddress
+import json
 import logging
 import socket
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +93,30 @@ async def system_resolver(host: str, port: int) -> list[str]:
     for _family, _type, _proto, _name, sockaddr in infos:
         seen[join_host_port(str(sockaddr[0]), int(sockaddr[1]))] = None
     return list(seen)
+
+
+def file_resolver(path: Path) -> Resolver:
+    """A resolver answering from a JSON file, ``{"NAME:PORT": ["HOST:PORT", ...]}``: what a
+    headless Service's DNS answer would be (every ready worker), each with its own port.
+
+    The file is read at every lookup, so whoever owns it (the local launcher, a test)
+    changes a fleet by replacing it (atomically). A name it lacks does not exist; a
+    missing or unreadable file is a failed lookup (OSError), which keeps the last answer.
+    """
+
+    async def resolve(host: str, port: int) -> list[str]:
+        try:
+            answers = json.loads(Path(path).read_text())
+        except ValueError as err:  # half-written by hand: a failed lookup, not "no workers"
+            raise OSError(f"resolve file {path} is not JSON: {err}") from err
+        if not isinstance(answers, dict):
+            raise OSError(f"resolve file {path} must hold one JSON object")
+        addresses = answers.get(join_host_port(host, port), [])
+        if not isinstance(addresses, list) or not all(isinstance(a, str) for a in addresses):
+            raise OSError(f"resolve file {path}: {host}:{port} must map to a list of HOST:PORT")
+        return list(addresses)
+
+    return resolve
 
 
 # getaddrinfo's "this name has no addresses" (as opposed to "could not ask").

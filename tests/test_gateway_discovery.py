@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 
 from engine import errors
 from engine.sampling_params import SamplingParams
-from gateway.discovery import Fleet, parse_target, system_resolver
+from gateway.discovery import Fleet, file_resolver, parse_target, system_resolver
 from gateway.dispatcher import DecodeJob, Dispatcher
 from gateway.router import Route, Router, WorkerKind
 from protos.baton.v1 import worker_pb2, worker_pb2_grpc
@@ -80,6 +82,25 @@ async def test_fleet_keeps_the_last_answer_when_a_lookup_fails() -> None:
 async def test_system_resolver_reads_localhost_and_names_that_do_not_exist() -> None:
     assert "127.0.0.1:50051" in await system_resolver("localhost", 50051)
     assert await system_resolver("no-such-host.invalid", 1) == []
+
+
+async def test_file_resolver_answers_from_a_file_read_at_every_lookup(tmp_path: Path) -> None:
+    """``--resolve-file``: the launcher's stand-in for the cluster DNS."""
+    path = tmp_path / "dns.json"
+    fleet = Fleet("decode", ["dns:///baton-decode:50053"], file_resolver(path))
+    with pytest.raises(OSError, match="No such file"):
+        await file_resolver(path)("baton-decode", 50053)
+    path.write_text(json.dumps({"baton-decode:50053": ["127.0.0.1:4001", "127.0.0.1:4002"]}))
+    assert await fleet.resolve() == ["127.0.0.1:4001", "127.0.0.1:4002"]
+    path.write_text(json.dumps({"baton-decode:50053": ["127.0.0.1:4002"]}))
+    assert await fleet.resolve() == ["127.0.0.1:4002"]  # one left: the file is read again
+    path.write_text("{half written")
+    assert await fleet.resolve() == ["127.0.0.1:4002"]  # unreadable: the last answer stays
+    path.write_text(json.dumps({"other:1": ["127.0.0.1:9"]}))
+    assert await fleet.resolve() == []  # the name is not there: no such name
+    path.write_text(json.dumps({"baton-decode:50053": "127.0.0.1:4002"}))
+    with pytest.raises(OSError, match="list of HOST:PORT"):
+        await file_resolver(path)("baton-decode", 50053)
 
 
 # --- the router over real fake workers -----------------------------------------------------

@@ -71,6 +71,29 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "prefill": {"metricsPort": 0, "pdb": {"enabled": False}},
         "decode": {"metricsPort": 0, "pdb": {"enabled": False}},
     },
+    "secured": {
+        "security": {
+            "gatewayTls": {"secretName": "baton-gateway-tls"},
+            "fleetTls": {"secretName": "baton-fleet-tls"},
+            "apiKeys": {"secretName": "baton-api-keys"},
+            "fleetSecret": {"secretName": "baton-fleet-secret"},
+        },
+        "tracing": {"otlpEndpoint": "http://otel-collector.monitoring:4317"},
+    },
+    "secured-no-http-colocated": {
+        "mode": "colocated",
+        "transfer": {"transport": "shm"},
+        "http": {"enabled": False},
+        "security": {
+            "gatewayTls": {"secretName": "gw", "serverName": "baton.example.com"},
+            "fleetTls": {"secretName": "fleet"},
+            "fleetSecret": {"secretName": "shared", "key": "secret"},
+        },
+    },
+    "secured-single": {
+        "mode": "single",
+        "security": {"fleetTls": {"secretName": "fleet"}, "fleetSecret": {"secretName": "s"}},
+    },
     **{
         f"example-{p.stem}": example_values(p.stem)
         for p in sorted((K8S / "examples").glob("*.yaml"))
@@ -179,6 +202,7 @@ def test_every_container_passes_its_services_config_parser(renders, overlays) ->
         except (ValueError, SystemExit) as exc:
             raise AssertionError(f"{where}: {c.deployment}/{c.name} {c.args}: {exc}") from exc
         assert cfg["host"] == "0.0.0.0", where
+        _assert_files_are_mounted_secrets(where, c, cfg)
         if c.role == "gateway":
             for target in [*cfg["decode"], *cfg["prefill"]]:
                 assert target.startswith("dns:///"), f"{where}: {target}"
@@ -187,6 +211,58 @@ def test_every_container_passes_its_services_config_parser(renders, overlays) ->
             assert cfg["transport"] in ("gloo", "nccl", "shm", "cuda_ipc")
             if cfg["transport"] in ("gloo", "nccl") and c.role == "decode":
                 assert cfg["transport_address"] == f"10.0.0.7:{c.ports['kv-store']}", where
+
+
+# Config fields that name a file the chart mounts from a Secret.
+_SECRET_FILE_FIELDS = (
+    "tls_cert",
+    "tls_key",
+    "tls_ca",
+    "worker_tls_cert",
+    "worker_tls_key",
+    "worker_tls_ca",
+    "api_keys_file",
+    "fleet_secret_file",
+)
+
+
+def _assert_files_are_mounted_secrets(where: str, c: Container, cfg: dict[str, Any]) -> None:
+    """Every file a service is pointed at lies in a Secret volume mounted in its container
+    (as a key the Secret is expected to hold), so it exists when the pod starts."""
+    volumes = {v["name"]: v for v in c.pod["volumes"]}
+    secret_dirs = {
+        m["mountPath"]: volumes[m["name"]]
+        for m in c.spec["volumeMounts"]
+        if "secret" in volumes[m["name"]]
+    }
+    for field in _SECRET_FILE_FIELDS:
+        value = cfg.get(field)
+        if value is None:
+            continue
+        directory, _, key = str(value).rpartition("/")
+        assert directory in secret_dirs, f"{where}: {c.name} {field}={value} is not mounted"
+        assert key and "/" not in key, f"{where}: {c.name} {field}={value}"
+    for mount in secret_dirs:
+        # Mounted read-only, and only what the container reads.
+        spec = next(m for m in c.spec["volumeMounts"] if m["mountPath"] == mount)
+        assert spec["readOnly"] is True, f"{where}: {c.name} mounts {mount} writable"
+        used = [f for f in _SECRET_FILE_FIELDS if str(cfg.get(f) or "").startswith(mount + "/")]
+        assert used, f"{where}: {c.name} mounts {mount} but reads nothing from it"
+
+
+def _probe_port(c: Container, probe: dict[str, Any]) -> int:
+    """The container port a rendered probe checks: gRPC, an exec'd rpc.probe's
+    --address, or an httpGet's named port."""
+    if "grpc" in probe:
+        return probe["grpc"]["port"]
+    if "exec" in probe:
+        command = probe["exec"]["command"]
+        assert command[:3] == ["python", "-m", "rpc.probe"], command
+        host, _, port = command[command.index("--address") + 1].rpartition(":")
+        assert host == "127.0.0.1", command  # the pod's own loopback
+        return int(port)
+    port = probe["httpGet"]["port"]
+    return c.ports[port] if isinstance(port, str) else port
 
 
 def test_ports_of_probes_services_and_policies_are_the_listening_ports(renders, overlays) -> None:  # noqa: ANN001
@@ -201,8 +277,14 @@ def test_ports_of_probes_services_and_policies_are_the_listening_ports(renders, 
                 assert c.ports[_metrics_name(c.role)] == cfg["metrics_port"], where
             else:
                 assert _metrics_name(c.role) not in c.ports, where
+            if cfg.get("http_port") is not None:
+                assert c.ports["http"] == cfg["http_port"], f"{where}: {c.name} HTTP"
+            else:
+                assert "http" not in c.ports, where
             for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
-                assert c.spec[kind]["grpc"]["port"] == cfg["port"], f"{where}: {c.name} {kind}"
+                probe = c.spec[kind]
+                want = c.ports["http"] if "httpGet" in probe else cfg["port"]
+                assert _probe_port(c, probe) == want, f"{where}: {c.name} {kind}"
             listening.setdefault(c.deployment, {}).update(c.ports)
         for deploy in of_kind(objects, "Deployment"):
             name = deploy["metadata"]["name"]
@@ -284,17 +366,25 @@ def test_every_template_is_used_by_some_value_set(renders) -> None:  # noqa: ANN
     assert templates <= sources, templates - sources
 
 
+def _flags(parser: Any) -> set[str]:
+    """The camelCase names of a service parser's value flags (not --help, --check-config)."""
+    names = set()
+    for action in parser._actions:
+        if action.option_strings and action.dest not in ("help", "check_config", "_single"):
+            names.add(re.sub(r"_([a-z])", lambda m: m.group(1).upper(), action.dest))
+    return names
+
+
 def test_schema_allows_exactly_the_flags_the_chart_leaves_to_values() -> None:
     """The keys values.schema.json allows in engine / settings are real flags of the
-    services, and every flag is either allowed there or set by the chart itself, so a
-    renamed flag breaks this test rather than a deployment."""
+    services, and every flag is either allowed there or owned by the chart (set from its
+    own values, or deliberately left unset), so a new or renamed flag breaks this test
+    rather than a deployment."""
     import json
 
-    from gateway.config import _FIELDS as gateway_flags
-    from rpc.worker_config import _FIELDS as worker_flags
-
-    def camel(name: str) -> str:
-        return re.sub(r"_([a-z])", lambda m: m.group(1).upper(), name)
+    from gateway.config import _parser as gateway_parser
+    from rpc.worker_config import _parser as worker_parser
+    from rpc.worker_config import env_prefix
 
     schema = json.loads((CHART / "values.schema.json").read_text())
     props = schema["properties"]
@@ -303,12 +393,43 @@ def test_schema_allows_exactly_the_flags_the_chart_leaves_to_values() -> None:
         role: set(props[role]["allOf"][1]["properties"]["settings"]["propertyNames"]["enum"])
         for role in ("gateway", "prefill", "decode")
     }
+    # Where the process listens and how long it drains: arguments.
     by_chart = {"host", "port", "portFile", "metricsPort", "graceS", "model"}
-    gateway_by_chart = by_chart | {"decode", "prefill", "modelCacheDir", "sameHostPrefill"}
-    worker_by_chart = by_chart | {"cacheDir", "transport", "transportAddress", "advertiseHost"}
-    assert allowed["gateway"] | gateway_by_chart == {camel(n) for n in gateway_flags}
+    gateway_by_chart = by_chart | {
+        "decode",
+        "prefill",
+        "modelCacheDir",
+        "sameHostPrefill",
+        "resolveFile",  # the local launcher's stand-in for DNS; the cluster has DNS
+        "httpPort",  # http.*
+        "httpPortFile",
+        "otlpEndpoint",  # tracing.*
+        # security.*: files of mounted Secrets
+        "tlsCert",
+        "tlsKey",
+        "workerTlsCert",
+        "workerTlsKey",
+        "workerTlsCa",
+        "workerTlsServerName",
+        "apiKeysFile",
+    }
+    worker_by_chart = by_chart | {
+        "cacheDir",
+        "transport",
+        "transportAddress",
+        "advertiseHost",
+        "tlsCert",
+        "tlsKey",
+        "tlsCa",
+        "tlsServerName",
+        "fleetSecretFile",
+    }
+    assert allowed["gateway"] | gateway_by_chart == _flags(gateway_parser())
     assert not allowed["gateway"] & gateway_by_chart
-    for role in ("prefill", "decode"):
+    for role, chart_owned in (
+        ("prefill", worker_by_chart),
+        ("decode", worker_by_chart | {"prefillAllow"}),  # security.prefillAllowList
+    ):
         assert engine <= allowed[role]
-        assert allowed[role] | worker_by_chart == {camel(n) for n in worker_flags}
-        assert not allowed[role] & worker_by_chart
+        assert allowed[role] | chart_owned == _flags(worker_parser(role, env_prefix(role)))
+        assert not allowed[role] & chart_owned

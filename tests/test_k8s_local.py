@@ -7,12 +7,19 @@ rendered environment, answered from a file standing in for the cluster DNS (each
 headless Service name -> its ready pods). Completions must equal HF greedy on the same
 tiny model, and the KV of every request moves over gloo between the workers, each of
 which advertises its own pod IP. The second decode pod joins the DNS answer only after
-the gateway started (as a pod that just became ready) and then takes requests too.
+the gateway started (as a pod that just became ready) and then takes requests too. Pods
+count as ready when their rendered readiness probes pass.
+
+With every ``security`` value on, the rendered pods serve over TLS with API keys, mTLS
+and the fleet secret inside the fleet, from the Secrets' files where the chart mounts
+them, and pass their rendered exec (mTLS workers) and HTTPS (gateway) probes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ssl
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -21,16 +28,22 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from protos.baton.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+from tests.certs import FLEET_NAME, CertAuthority
 from tests.engine_helpers import compare_greedy, hf_greedy, hf_model
 from tests.k8s_manifests import containers, named, render
 from tests.k8s_pods import LocalPods, Pod
 
 START_TIMEOUT_S = 240.0
 MAX_TOKENS = 8
+API_KEY = "sk-rendered-pods-0123456789"
 
 
 def values_for(model_dir: Path) -> dict:
-    """Chart values: the tiny model from a hostPath volume, gloo between pods."""
+    """Chart values: the tiny model from a hostPath volume, gloo between pods.
+
+    The one value changed for loopback: decode's prefill allow-list names the cluster's
+    headless Service, which a local process cannot resolve (tests/test_k8s_values.py
+    checks what it renders; tests/test_security.py what it admits)."""
     return {
         "model": {"source": "hostPath", "hostPath": str(model_dir), "name": ""},
         "engine": {"dtype": "float32", "numThreads": 1, "numBlocks": 256, "maxNumSeqs": 8},
@@ -38,6 +51,7 @@ def values_for(model_dir: Path) -> dict:
         "gateway": {"settings": {"statsIntervalS": 0.1, "resolveIntervalS": 0.5}},
         "prefill": {"replicas": 2},
         "decode": {"replicas": 2},
+        "security": {"prefillAllowList": False},
     }
 
 
@@ -82,9 +96,9 @@ async def test_rendered_pods_serve_correct_completions_with_kv_over_gloo(
                 workers[role].append(
                     pods.start(f"{role}-{i}", by_deployment[f"baton-{role}"], objects)
                 )
-        for role, started in workers.items():
+        for started in workers.values():
             for pod in started:
-                pods.wait_serving(pod, f"grpc-{role}", START_TIMEOUT_S)
+                pods.wait_ready(pod, START_TIMEOUT_S)
         # The headless Services' DNS: each rendered target name -> its ready pods; the
         # second decode pod is not in it yet.
         targets = {
@@ -98,7 +112,7 @@ async def test_rendered_pods_serve_correct_completions_with_kv_over_gloo(
         dns[targets["decode"]] = dns[targets["decode"]][:1]
         pods.publish_dns(dns)
         gateway = pods.start("gateway-0", by_deployment["baton-gateway"], objects)
-        pods.wait_serving(gateway, "grpc", START_TIMEOUT_S)
+        pods.wait_ready(gateway, START_TIMEOUT_S)
         decode_up = ("baton_workers_up", (("kind", "decode"),))
         await wait_metric(gateway.address("metrics"), decode_up, 1)
 
@@ -149,3 +163,95 @@ async def test_rendered_pods_serve_correct_completions_with_kv_over_gloo(
         for pod in workers["decode"]:
             # Each decode worker's KV store is advertised at its own pod IP.
             assert f"store at {pod.ip}:{pod.port('kv-store')}" in logs, logs
+
+
+async def test_rendered_security_serves_tls_and_api_keys_with_mtls_in_the_fleet(
+    tiny_llama: Path, tmp_path: Path, reference: dict
+) -> None:
+    ca = CertAuthority(tmp_path / "pki")
+    fleet, public = ca.issue("fleet"), ca.issue("gateway")
+    keys = tmp_path / "api-keys"
+    keys.write_text(f"{API_KEY}\n")
+    secret = tmp_path / "fleet-secret"
+    secret.write_bytes(b"the fleet secret of the rendered pods\n")
+    values = values_for(tiny_llama)
+    values["prefill"] = values["decode"] = {"replicas": 1}
+    values["http"] = {"enabled": True}
+    values["security"] = {
+        "prefillAllowList": False,
+        "gatewayTls": {"secretName": "gateway-tls"},
+        "fleetTls": {"secretName": "fleet-tls", "serverName": FLEET_NAME},
+        "apiKeys": {"secretName": "gateway-keys"},
+        "fleetSecret": {"secretName": "fleet-secret"},
+    }
+    secrets = {
+        "gateway-tls": {"tls.crt": public.cert, "tls.key": public.key, "ca.crt": ca.ca_path},
+        "fleet-tls": {"tls.crt": fleet.cert, "tls.key": fleet.key, "ca.crt": ca.ca_path},
+        "gateway-keys": {"api-keys": keys},
+        "fleet-secret": {"fleet-secret": secret},
+    }
+    objects = render(values)
+    by_deployment = {c.deployment: c for c in containers(objects)}
+    for role in ("prefill", "decode"):  # mTLS ports: the kubelet's gRPC probe cannot do TLS
+        assert "exec" in by_deployment[f"baton-{role}"].spec["readinessProbe"]
+    assert "httpGet" in by_deployment["baton-gateway"].spec["readinessProbe"]
+    with LocalPods(tmp_path / "pods", secrets=secrets) as pods:
+        prefill = pods.start("prefill-0", by_deployment["baton-prefill"], objects)
+        decode = pods.start("decode-0", by_deployment["baton-decode"], objects)
+        for pod in (prefill, decode):
+            pods.wait_ready(pod, START_TIMEOUT_S)  # the exec probe, with the fleet's files
+        pods.publish_dns(
+            {
+                "baton-prefill:50052": [prefill.address("grpc-prefill")],
+                "baton-decode:50053": [decode.address("grpc-decode")],
+            }
+        )
+        gateway = pods.start("gateway-0", by_deployment["baton-gateway"], objects)
+        pods.wait_ready(gateway, START_TIMEOUT_S)  # HTTPS GET /health
+
+        # The public certificate names 127.0.0.1 and localhost, not the loopback pod IP.
+        credentials = public.channel_credentials(with_cert=False)
+        options = [("grpc.ssl_target_name_override", "localhost")]
+        async with grpc.aio.secure_channel(
+            gateway.address("grpc"), credentials, options=options
+        ) as channel:
+            stub = generate_pb2_grpc.BatonStub(channel)
+            request = generate_pb2.GenerateRequest(
+                token_ids=generate_pb2.TokenIds(ids=prompt(0)),
+                sampling_params=common_pb2.SamplingParameters(
+                    max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True
+                ),
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.Generate(request, timeout=30).read()
+            assert refused.value.code() is grpc.StatusCode.UNAUTHENTICATED
+            try:
+                got = [
+                    r
+                    async for r in stub.Generate(
+                        request, timeout=60, metadata=[("authorization", f"Bearer {API_KEY}")]
+                    )
+                ]
+            except grpc.aio.AioRpcError as err:
+                pytest.fail(f"{err.code().name}: {err.details()}\n{pods.logs()}")
+        ours = [t for r in got for t in r.token_ids]
+        ref, ref_logits = reference[0]
+        assert compare_greedy(ours, ref, ref_logits) in ("equal", "tie"), f"{ours} vs HF {ref}"
+
+        context = ssl.create_default_context(cafile=str(ca.ca_path))
+        context.check_hostname = False  # the certificate names localhost, not the pod IP
+
+        def models(headers: dict[str, str]) -> int:
+            url = f"https://{gateway.address('http')}/v1/models"
+            try:
+                with urllib.request.urlopen(
+                    urllib.request.Request(url, headers=headers), timeout=10, context=context
+                ) as reply:
+                    return reply.status
+            except urllib.error.HTTPError as err:
+                return err.code
+
+        assert models({}) == 401
+        assert models({"Authorization": f"Bearer {API_KEY}"}) == 200
+        moved = scrape(decode.address("metrics-decode"))
+        assert moved[("baton_kv_transfer_bytes_total", (("role", "decode"),))] > 0

@@ -191,6 +191,173 @@ def test_engine_settings_reach_both_workers_as_env_twins() -> None:
         assert data[prefix + "KV_CACHE_BYTES"] == "8589934592"  # no 8.589934592e+09
 
 
+def test_http_port_reaches_the_container_service_and_policy() -> None:
+    objects = render({"http": {"port": 8443}})
+    gateway = container_of(named(objects, "Deployment", "baton-gateway"), "gateway")
+    assert gateway["args"][gateway["args"].index("--http-port") + 1] == "8443"
+    assert {"name": "http", "containerPort": 8443, "protocol": "TCP"} in gateway["ports"]
+    service = named(objects, "Service", "baton-gateway")["spec"]["ports"]
+    assert {p["name"]: (p["port"], p["appProtocol"]) for p in service}["http"] == (8443, "http")
+    (public,) = [
+        r
+        for r in named(objects, "NetworkPolicy", "baton-gateway")["spec"]["ingress"]
+        if {"port": "grpc", "protocol": "TCP"} in r["ports"]
+    ]
+    assert {"port": "http", "protocol": "TCP"} in public["ports"]
+    assert "from" not in public  # gatewayFrom empty: from anywhere, like gRPC
+    off = render({"http": {"enabled": False}})
+    gateway = container_of(named(off, "Deployment", "baton-gateway"), "gateway")
+    assert "--http-port" not in gateway["args"] and "http" not in str(gateway["ports"])
+    assert "http" not in [
+        p["name"] for p in named(off, "Service", "baton-gateway")["spec"]["ports"]
+    ]
+
+
+SECURED = {
+    "security": {
+        "gatewayTls": {"secretName": "pub-tls"},
+        "fleetTls": {"secretName": "fleet-tls", "serverName": "baton-fleet.llm.svc"},
+        "apiKeys": {"secretName": "keys", "key": "keys.txt"},
+        "fleetSecret": {"secretName": "shared", "key": "token"},
+    }
+}
+
+
+def test_security_secrets_are_mounted_and_their_files_set_as_env_twins() -> None:
+    objects = render(SECURED)
+    data = named(objects, "ConfigMap", "baton-config")["data"]
+    assert {k: v for k, v in data.items() if "TLS" in k or "_FILE" in k} == {
+        "BATON_GATEWAY_TLS_CERT": "/etc/baton/gateway-tls/tls.crt",
+        "BATON_GATEWAY_TLS_KEY": "/etc/baton/gateway-tls/tls.key",
+        "BATON_GATEWAY_API_KEYS_FILE": "/etc/baton/api-keys/keys.txt",
+        "BATON_GATEWAY_WORKER_TLS_CERT": "/etc/baton/fleet-tls/tls.crt",
+        "BATON_GATEWAY_WORKER_TLS_KEY": "/etc/baton/fleet-tls/tls.key",
+        "BATON_GATEWAY_WORKER_TLS_CA": "/etc/baton/fleet-tls/ca.crt",
+        "BATON_GATEWAY_WORKER_TLS_SERVER_NAME": "baton-fleet.llm.svc",
+        "BATON_PREFILL_TLS_CERT": "/etc/baton/fleet-tls/tls.crt",
+        "BATON_PREFILL_TLS_KEY": "/etc/baton/fleet-tls/tls.key",
+        "BATON_PREFILL_TLS_CA": "/etc/baton/fleet-tls/ca.crt",
+        "BATON_DECODE_TLS_CERT": "/etc/baton/fleet-tls/tls.crt",
+        "BATON_DECODE_TLS_KEY": "/etc/baton/fleet-tls/tls.key",
+        "BATON_DECODE_TLS_CA": "/etc/baton/fleet-tls/ca.crt",
+        "BATON_DECODE_TLS_SERVER_NAME": "baton-fleet.llm.svc",
+        "BATON_PREFILL_FLEET_SECRET_FILE": "/etc/baton/fleet-secret/token",
+        "BATON_DECODE_FLEET_SECRET_FILE": "/etc/baton/fleet-secret/token",
+    }
+    mounted = {
+        c.name: {m["name"]: m["mountPath"] for m in c.spec["volumeMounts"] if m.get("readOnly")}
+        for c in containers(objects)
+    }
+    assert mounted["gateway"] == {
+        "gateway-tls": "/etc/baton/gateway-tls",
+        "api-keys": "/etc/baton/api-keys",
+        "fleet-tls": "/etc/baton/fleet-tls",
+    }
+    for role in ("prefill", "decode"):
+        assert mounted[role] == {
+            "fleet-tls": "/etc/baton/fleet-tls",
+            "fleet-secret": "/etc/baton/fleet-secret",
+        }
+    volumes = {
+        v["name"]: v["secret"]
+        for v in named(objects, "Deployment", "baton-decode")["spec"]["template"]["spec"]["volumes"]
+        if "secret" in v
+    }
+    assert volumes == {
+        "fleet-tls": {"secretName": "fleet-tls", "defaultMode": 0o440},
+        "fleet-secret": {"secretName": "shared", "defaultMode": 0o440},
+    }
+    plain = named(render({}), "ConfigMap", "baton-config")["data"]
+    assert not [k for k in plain if "TLS" in k or "_FILE" in k]
+
+
+def test_mtls_workers_get_exec_probes_and_a_tls_gateway_https_or_exec_probes() -> None:
+    d = deployments(SECURED)
+    decode = container_of(d["baton-decode"], "decode")
+    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert decode[kind]["exec"]["command"] == [
+            "python",
+            "-m",
+            "rpc.probe",
+            "--address",
+            "127.0.0.1:50053",
+            "--tls-cert",
+            "/etc/baton/fleet-tls/tls.crt",
+            "--tls-key",
+            "/etc/baton/fleet-tls/tls.key",
+            "--tls-ca",
+            "/etc/baton/fleet-tls/ca.crt",
+            "--tls-server-name",
+            "baton-fleet.llm.svc",
+            "--timeout-s",
+            "5",
+        ]
+        assert decode[kind]["timeoutSeconds"] == 10 and "grpc" not in decode[kind]
+    gateway = container_of(d["baton-gateway"], "gateway")
+    assert gateway["readinessProbe"]["httpGet"] == {
+        "path": "/health",
+        "port": "http",
+        "scheme": "HTTPS",
+    }
+    no_http = deployments(
+        {
+            "http": {"enabled": False},
+            "security": {"gatewayTls": {"secretName": "pub", "serverName": "llm.example.com"}},
+        }
+    )
+    gateway = container_of(no_http["baton-gateway"], "gateway")
+    command = gateway["livenessProbe"]["exec"]["command"]
+    assert command[3:9] == [
+        "--address",
+        "127.0.0.1:50051",
+        "--tls-ca",
+        "/etc/baton/gateway-tls/ca.crt",
+        "--tls-server-name",
+        "llm.example.com",
+    ]
+    assert "--tls-cert" not in command  # the public port asks clients for no certificate
+    # The workers of a plaintext fleet keep the native gRPC probes.
+    assert container_of(no_http["baton-decode"], "decode")["readinessProbe"]["grpc"] == {
+        "port": 50053
+    }
+
+
+def test_single_process_workers_take_the_fleet_certificate_but_no_kv_settings() -> None:
+    objects = render({"mode": "single", **SECURED})
+    data = named(objects, "ConfigMap", "baton-config")["data"]
+    single = container_of(named(objects, "Deployment", "baton-single"), "single")
+    assert "exec" in single["readinessProbe"]
+    assert data["BATON_DECODE_TLS_CA"] == "/etc/baton/fleet-tls/ca.crt"
+    for key in ("BATON_DECODE_FLEET_SECRET_FILE", "BATON_DECODE_PREFILL_ALLOW"):
+        assert key not in data  # it moves no KV and dials no prefill worker
+    assert "fleet-secret" not in str(single["volumeMounts"])
+
+
+def test_decode_dials_only_this_releases_prefill_pods() -> None:
+    def allow(values: dict[str, Any]) -> str | None:
+        return named(render(values), "ConfigMap", "baton-config")["data"].get(
+            "BATON_DECODE_PREFILL_ALLOW"
+        )
+
+    assert allow({}) == "dns:///baton-prefill:50052"
+    assert allow({"prefill": {"port": 7000}}) == "dns:///baton-prefill:7000"
+    colocated = {"mode": "colocated", "transfer": {"transport": "shm"}}
+    assert allow(colocated) == "dns:///baton-colocated:50052"
+    assert allow({"security": {"prefillAllowList": False}}) is None
+
+
+def test_otlp_endpoint_reaches_the_gateway() -> None:
+    data = named(
+        render({"tracing": {"otlpEndpoint": "http://otel.monitoring:4317"}}),
+        "ConfigMap",
+        "baton-config",
+    )["data"]
+    assert data["BATON_GATEWAY_OTLP_ENDPOINT"] == "http://otel.monitoring:4317"
+    assert (
+        "BATON_GATEWAY_OTLP_ENDPOINT" not in named(render({}), "ConfigMap", "baton-config")["data"]
+    )
+
+
 @pytest.mark.parametrize(
     ("values", "error"),
     [
@@ -202,6 +369,13 @@ def test_engine_settings_reach_both_workers_as_env_twins() -> None:
         ({"gateway": {"replicaz": 2}}, "replicaz"),
         ({"decode": {"autoscaling": {"metric": "vllm:num_requests_running"}}}, "metric"),
         ({"prefill": {"port": 0}}, "port"),
+        ({"security": {"fleetTls": {"secretName": "Not_A_Name"}}}, "secretName"),
+        ({"security": {"fleetTls": {"secretName": "s", "serverName": ""}}}, "serverName"),
+        ({"tracing": {"otlpEndpoint": "otel:4317"}}, "otlpEndpoint"),
+        (
+            {"http": {"enabled": False}, "security": {"gatewayTls": {"secretName": "pub"}}},
+            "security.gatewayTls.serverName is required",
+        ),
     ],
 )
 def test_bad_values_are_refused(values: dict[str, Any], error: str) -> None:

@@ -109,6 +109,90 @@ dns:///{{ include "baton.fullname" .root }}-{{ .name }}:{{ .port }}
 
 {{- define "baton.cacheDir" -}}/home/baton/.cache/baton/models{{- end }}
 
+{{/*
+The Secrets a container role mounts, as a YAML list of {name, secretName}: each is a
+volume of the pod, mounted read-only at /etc/baton/<name> (baton.secretDir). The gateway
+serves with gateway-tls and checks api-keys; every role but a single-process worker's
+KV needs the fleet's certificate, and workers that hand KV over the fleet secret.
+*/}}
+{{- define "baton.secrets" -}}
+{{- $s := .root.Values.security }}
+{{- if and (eq .role "gateway") $s.gatewayTls.secretName }}
+- {name: gateway-tls, secretName: {{ $s.gatewayTls.secretName | quote }}}
+{{- end }}
+{{- if and (eq .role "gateway") $s.apiKeys.secretName }}
+- {name: api-keys, secretName: {{ $s.apiKeys.secretName | quote }}}
+{{- end }}
+{{- if $s.fleetTls.secretName }}
+- {name: fleet-tls, secretName: {{ $s.fleetTls.secretName | quote }}}
+{{- end }}
+{{- if and (has .role (list "prefill" "decode")) $s.fleetSecret.secretName }}
+- {name: fleet-secret, secretName: {{ $s.fleetSecret.secretName | quote }}}
+{{- end }}
+{{- end }}
+
+{{/* Where a Secret volume is mounted. */}}
+{{- define "baton.secretDir" -}}/etc/baton/{{ . }}{{- end }}
+
+{{/*
+The handler of a container's probes; pass (dict "root" $ "role" ROLE "block" BLOCK).
+Kubernetes' native gRPC probe dials plaintext, so a TLS port gets another one: python -m
+rpc.probe (a grpc.health.v1 Check over TLS, with the fleet's certificate for mTLS
+workers), or for a TLS gateway with HTTP on an HTTPS GET of /health (200 only while
+SERVING, like the gRPC health).
+*/}}
+{{- define "baton.probeHandler" -}}
+{{- $s := .root.Values.security }}
+{{- $address := printf "127.0.0.1:%v" .block.port }}
+{{- if and (eq .role "gateway") $s.gatewayTls.secretName }}
+{{- if .root.Values.http.enabled }}
+httpGet:
+  path: /health
+  port: http
+  scheme: HTTPS
+{{- else }}
+exec:
+  command:
+    - python
+    - -m
+    - rpc.probe
+    - --address
+    - {{ $address | quote }}
+    - --tls-ca
+    - {{ printf "%s/%s" (include "baton.secretDir" "gateway-tls") $s.gatewayTls.caKey | quote }}
+    - --tls-server-name
+    - {{ required "security.gatewayTls.serverName is required: the gateway's exec probe checks its certificate against it (or turn http on for HTTPS /health probes)" $s.gatewayTls.serverName | quote }}
+    - --timeout-s
+    - "5"
+# An exec probe starts a Python process: give it more than the 1 s default.
+timeoutSeconds: 10
+{{- end }}
+{{- else if and (ne .role "gateway") $s.fleetTls.secretName }}
+{{- $dir := include "baton.secretDir" "fleet-tls" }}
+exec:
+  command:
+    - python
+    - -m
+    - rpc.probe
+    - --address
+    - {{ $address | quote }}
+    - --tls-cert
+    - {{ printf "%s/tls.crt" $dir | quote }}
+    - --tls-key
+    - {{ printf "%s/tls.key" $dir | quote }}
+    - --tls-ca
+    - {{ printf "%s/ca.crt" $dir | quote }}
+    - --tls-server-name
+    - {{ $s.fleetTls.serverName | quote }}
+    - --timeout-s
+    - "5"
+timeoutSeconds: 10
+{{- else }}
+grpc:
+  port: {{ .block.port }}
+{{- end }}
+{{- end }}
+
 {{/* Liveness must outlast a drain (NOT_SERVING from SIGTERM until exit). */}}
 {{- define "baton.livenessFailures" -}}
 {{- $b := .block }}
@@ -139,6 +223,10 @@ BATON_<ROLE>_* environment twins, plus the pod IP as the advertise host of worke
     - {{ $block.metricsPort | quote }}
     - --grace-s
     - {{ $block.graceS | quote }}
+    {{- if and (eq $role "gateway") $root.Values.http.enabled }}
+    - --http-port
+    - {{ $root.Values.http.port | quote }}
+    {{- end }}
   {{- if ne $role "gateway" }}
   env:
     - name: {{ include "baton.envPrefix" $role }}ADVERTISE_HOST
@@ -159,6 +247,11 @@ BATON_<ROLE>_* environment twins, plus the pod IP as the advertise host of worke
     - name: {{ $grpcName }}
       containerPort: {{ $block.port }}
       protocol: TCP
+    {{- if and (eq $role "gateway") $root.Values.http.enabled }}
+    - name: http
+      containerPort: {{ $root.Values.http.port }}
+      protocol: TCP
+    {{- end }}
     {{- if $block.metricsPort }}
     - name: {{ include "baton.metricsPortName" $role }}
       containerPort: {{ $block.metricsPort }}
@@ -169,19 +262,17 @@ BATON_<ROLE>_* environment twins, plus the pod IP as the advertise host of worke
       containerPort: {{ $root.Values.transfer.storePort }}
       protocol: TCP
     {{- end }}
+  {{- $probe := include "baton.probeHandler" (dict "root" $root "role" $role "block" $block) | trim }}
   startupProbe:
-    grpc:
-      port: {{ $block.port }}
+    {{- $probe | nindent 4 }}
     periodSeconds: {{ $block.probes.startup.periodSeconds }}
     failureThreshold: {{ $block.probes.startup.failureThreshold }}
   readinessProbe:
-    grpc:
-      port: {{ $block.port }}
+    {{- $probe | nindent 4 }}
     periodSeconds: {{ $block.probes.readiness.periodSeconds }}
     failureThreshold: {{ $block.probes.readiness.failureThreshold }}
   livenessProbe:
-    grpc:
-      port: {{ $block.port }}
+    {{- $probe | nindent 4 }}
     periodSeconds: {{ $block.probes.liveness.periodSeconds }}
     failureThreshold: {{ include "baton.livenessFailures" (dict "block" $block) }}
   lifecycle:
@@ -214,6 +305,11 @@ BATON_<ROLE>_* environment twins, plus the pod IP as the advertise host of worke
     {{- if and (eq $root.Values.mode "colocated") (ne $role "gateway") }}
     - name: dshm
       mountPath: /dev/shm
+    {{- end }}
+    {{- range include "baton.secrets" (dict "root" $root "role" $role) | fromYamlArray }}
+    - name: {{ .name }}
+      mountPath: {{ include "baton.secretDir" .name }}
+      readOnly: true
     {{- end }}
 {{- end }}
 
