@@ -8,8 +8,11 @@ holds entries of three kinds:
 - ``host:port``: exactly that address;
 - ``host``: any port on that host;
 - ``dns:///name:port``: the addresses ``name`` resolves to, at that port (a headless
-  Service: every ready pod). Resolved at start and again, at most once a second, when an
-  address is not found, so new pods are accepted as the gateway discovers them.
+  Service: every ready pod). Resolved again when an address is not found (at most once a
+  second: a miss soon after a lookup waits for the next one rather than being refused),
+  so new pods are accepted as the gateway discovers them. An address stays allowed for
+  ``retain_s`` after it was last in an answer: a pod that starts draining leaves the
+  answer at once, while the gateway may still route its last requests to it.
 
 The host of ``prefill_address`` is compared as written: a name is never resolved to
 match an IP entry (what it resolves to when dialled could differ from what it resolved
@@ -23,7 +26,7 @@ import asyncio
 import logging
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from engine.errors import PermissionDeniedError
@@ -33,6 +36,18 @@ logger = logging.getLogger(__name__)
 DNS_PREFIX = "dns:///"
 # A miss re-resolves the DNS entries, but not more often than this.
 RESOLVE_INTERVAL_S = 1.0
+# How long an address stays allowed after it was last in a DNS answer (a draining pod
+# leaves the answer before the gateway stops routing to it).
+RETAIN_S = 120.0
+
+# (name, port) -> the addresses it resolves to; raises OSError when the lookup fails.
+Lookup = Callable[[str, int], Awaitable[list[str]]]
+
+
+async def system_lookup(name: str, port: int) -> list[str]:
+    loop = asyncio.get_running_loop()
+    infos = await loop.getaddrinfo(name, port, type=socket.SOCK_STREAM)
+    return [str(info[4][0]) for info in infos]
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,14 +59,25 @@ class _DnsEntry:
 class PrefillFleet:
     """The allow-list. ``check`` is the one question; it may resolve DNS entries."""
 
-    def __init__(self, entries: Sequence[str]) -> None:
+    def __init__(
+        self,
+        entries: Sequence[str],
+        *,
+        lookup: Lookup = system_lookup,
+        resolve_interval_s: float = RESOLVE_INTERVAL_S,
+        retain_s: float = RETAIN_S,
+    ) -> None:
         self._hosts: set[str] = set()
         self._addresses: set[tuple[str, int]] = set()
         self._dns: list[_DnsEntry] = []
         for entry in entries:
             self._add(entry.strip())
-        self._resolved: set[tuple[str, int]] = set()
-        self._resolved_at = -RESOLVE_INTERVAL_S
+        self._lookup = lookup
+        self._resolve_interval_s = resolve_interval_s
+        self._retain_s = retain_s
+        # (host, port) -> when a DNS answer last held it (time.monotonic()).
+        self._resolved: dict[tuple[str, int], float] = {}
+        self._resolved_at: float | None = None
         self._lock = asyncio.Lock()
 
     @property
@@ -67,32 +93,46 @@ class PrefillFleet:
         if host in self._hosts or (host, port) in self._addresses:
             return
         if self._dns:
-            if (host, port) in self._resolved:
+            if self._known(host, port):
                 return
-            await self._refresh()
-            if (host, port) in self._resolved:
+            await self._refresh(host, port)
+            if self._known(host, port):
                 return
         raise PermissionDeniedError(
             f"prefill_address {address!r} is not a prefill worker of this decode worker's "
             "fleet (--prefill-allow)"
         )
 
-    async def _refresh(self) -> None:
+    def _known(self, host: str, port: int) -> bool:
+        seen = self._resolved.get((host, port))
+        return seen is not None and time.monotonic() - seen <= self._retain_s
+
+    async def _refresh(self, host: str, port: int) -> None:
+        """Look the DNS entries up again, unless another miss did while this one waited
+        its turn; within ``resolve_interval_s`` of the last lookup, wait for the next."""
         async with self._lock:
-            if time.monotonic() - self._resolved_at < RESOLVE_INTERVAL_S:
+            if self._known(host, port):
                 return
-            self._resolved_at = time.monotonic()
-            loop = asyncio.get_running_loop()
-            resolved: set[tuple[str, int]] = set()
+            if self._resolved_at is not None:
+                wait = self._resolved_at + self._resolve_interval_s - time.monotonic()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+            found = 0
             for entry in self._dns:
                 try:
-                    infos = await loop.getaddrinfo(entry.name, entry.port, type=socket.SOCK_STREAM)
-                except OSError as err:
+                    addresses = await self._lookup(entry.name, entry.port)
+                except OSError as err:  # keep what earlier answers allowed
                     logger.warning("prefill fleet: cannot resolve %s: %s", entry.name, err)
                     continue
-                resolved.update((str(info[4][0]), entry.port) for info in infos)
-            self._resolved = resolved
-            logger.info("prefill fleet: %d address(es) from DNS", len(resolved))
+                now = time.monotonic()
+                for address in addresses:
+                    self._resolved[(address.strip("[]"), entry.port)] = now
+                found += len(addresses)
+            self._resolved_at = now = time.monotonic()
+            for key, seen in list(self._resolved.items()):
+                if now - seen > self._retain_s:
+                    del self._resolved[key]
+            logger.info("prefill fleet: %d address(es) from DNS", found)
 
     def _add(self, entry: str) -> None:
         if entry.startswith(DNS_PREFIX):

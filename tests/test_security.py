@@ -256,3 +256,31 @@ async def test_a_decode_worker_dials_only_its_prefill_fleet() -> None:
     with pytest.raises(ValueError, match="prefill_address must be host:port"):
         await fleet.check("10.0.0.7")
     await PrefillFleet([]).check("anywhere:1")  # no fleet configured: open
+
+
+async def test_the_prefill_fleet_follows_dns_without_refusing_pods_in_transition() -> None:
+    """A pod new to the answer is admitted even right after a lookup (the miss waits for
+    the next one); a pod that left the answer (draining) stays admitted for retain_s."""
+    answers = {"prefill": ["10.0.0.1"]}
+    lookups: list[float] = []
+
+    async def lookup(name: str, port: int) -> list[str]:
+        lookups.append(asyncio.get_running_loop().time())
+        return list(answers.get(name, []))
+
+    fleet = PrefillFleet(
+        ["dns:///prefill:50052"], lookup=lookup, resolve_interval_s=0.3, retain_s=1.0
+    )
+    await fleet.check("10.0.0.1:50052")
+    answers["prefill"] = ["10.0.0.2"]  # 10.0.0.1 drains, 10.0.0.2 became ready
+    await fleet.check("10.0.0.2:50052")  # within the interval: waited, then admitted
+    assert len(lookups) == 2 and lookups[1] - lookups[0] >= 0.25
+    await fleet.check("10.0.0.1:50052")  # gone from DNS, still within retain_s
+    with pytest.raises(PermissionDeniedError):
+        await fleet.check("10.0.0.1:50053")  # the port is part of the entry
+    await asyncio.sleep(1.1)
+    with pytest.raises(PermissionDeniedError):
+        await fleet.check("10.0.0.1:50052")  # retained no longer
+    looked_up = len(lookups)
+    await asyncio.gather(*(fleet.check("10.0.0.2:50052") for _ in range(5)))
+    assert len(lookups) == looked_up  # hits of a known address look nothing up
