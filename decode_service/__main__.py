@@ -74,6 +74,7 @@ async def _run(cfg: WorkerConfig) -> None:
             cfg.role,
             sampler.snapshot,
             lambda: servicer.inbox.tally.snapshot() if servicer.inbox is not None else None,
+            lambda: servicer.inbox.num_quarantined if servicer.inbox is not None else None,
         )
     )
     sampling = None  # the sampler asks the engine for stats: only when someone reads them

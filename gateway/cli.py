@@ -5,9 +5,12 @@
     baton serve --http-port 8000                    # ... with the OpenAI-compatible HTTP API
     baton generate --address HOST:PORT "prompt"     # talk to a running gateway
 
-``run`` and ``serve`` start a gateway, a prefill worker and a decode worker as separate
-processes on 127.0.0.1 (``--single-process`` for one worker doing both). ``generate`` and
-the streaming part of ``run`` are the Python client's command line (``protos.client``).
+``run`` and ``serve`` start a gateway and ``--prefill-workers`` prefill and
+``--decode-workers`` decode workers (one each by default) as separate processes on
+127.0.0.1 (``--single-process`` for workers doing both). The gateway finds them as it
+does in Kubernetes, by ``dns:///`` names, answered here from a file the launcher keeps
+(``gateway.launcher``). ``generate`` and the streaming part of ``run`` are the Python
+client's command line (``protos.client``).
 """
 
 from __future__ import annotations
@@ -31,8 +34,10 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
         help="one worker runs prefill and decode (no KV transfer)",
     )
     p.add_argument("--transport", default="shm", choices=("shm", "gloo", "cuda_ipc", "nccl"))
-    p.add_argument("--prefill-workers", type=int, default=1)
-    p.add_argument("--decode-workers", type=int, default=1)
+    p.add_argument("--prefill-workers", type=int, default=1, help="prefill worker processes")
+    p.add_argument(
+        "--decode-workers", type=int, default=1, help="decode (or single-process) workers"
+    )
     p.add_argument("--log-level", default="WARNING")
 
 
@@ -103,8 +108,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         http = f", OpenAI HTTP on http://{cluster.http_address}/v1" if cluster.http_address else ""
         print(
             f"baton: serving on {cluster.gateway_address}{http} "
-            f"(decode {cluster.addresses('decode')}, prefill {cluster.addresses('prefill')}); "
-            "Ctrl-C stops",
+            f"(decode {cluster.addresses('decode')}, prefill {cluster.addresses('prefill')}; "
+            f"the gateway finds them by name in {cluster.resolve_file}); Ctrl-C stops",
             file=sys.stderr,
         )
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

@@ -4,13 +4,23 @@ process on 127.0.0.1 with a port chosen by the OS.
 Used by ``baton run`` / ``baton serve``, the end-to-end tests and the serving benchmark.
 It talks to the processes it starts only through their command lines, port files and
 the standard health service, so it imports no service code.
+
+The gateway finds the workers the way it does in a cluster: through ``dns:///`` names
+(``dns:///baton-decode:50053``, ``dns:///baton-prefill:50052``, as the chart's headless
+Services are called) that it looks up again every second. The launcher answers them
+from a file (the gateway's ``--resolve-file``) that lists every worker once it serves,
+as a headless Service lists every ready pod. So a worker started later
+(:meth:`LocalCluster.add_worker`) is routed to from the gateway's next lookup, and one
+that is stopped (:meth:`LocalCluster.terminate`) leaves the answer and drains.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +32,12 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 logger = logging.getLogger(__name__)
+
+# The name:port the gateway looks each worker fleet up by (the chart's Service names).
+FLEET_NAMES = {"prefill": "baton-prefill:50052", "decode": "baton-decode:50053"}
+# How often the gateway reads the fleets' answer again (a local file: cheap).
+RESOLVE_INTERVAL_S = 1.0
+WORKER_KINDS = ("prefill", "decode")
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +58,9 @@ class ClusterSpec:
     http_port: int | None = None  # the gateway's OpenAI-compatible HTTP; None: off, 0: any
     start_timeout_s: float = 600.0
     log_level: str = "WARNING"
+    # Serve every process's Prometheus metrics, each on a free port of 127.0.0.1
+    # (LocalProcess.metrics_address).
+    metrics: bool = False
     # How the launcher's readiness probes dial TLS ports (a CA bundle, and a client
     # certificate for mTLS workers); the TLS flags themselves go in worker_args and
     # gateway_args. None: plaintext.
@@ -55,12 +74,16 @@ class ClusterSpec:
 
 
 @dataclass(slots=True)
-class _Proc:
-    kind: str
+class LocalProcess:
+    """One process the launcher started."""
+
+    kind: str  # gateway, prefill or decode
     popen: subprocess.Popen
     port_file: Path
     log: Path
-    address: str = ""
+    address: str = ""  # 127.0.0.1:PORT once it reported its port
+    listed: bool = False  # in its fleet's answer (serving, not stopped)
+    metrics_address: str = ""  # 127.0.0.1:PORT of /metrics, with ClusterSpec.metrics
 
 
 class LocalCluster:
@@ -71,9 +94,12 @@ class LocalCluster:
         self.spec = spec
         self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="baton-")
         self.workdir = workdir or Path(self._tmp.name)  # type: ignore[union-attr]
-        self.procs: list[_Proc] = []
+        self.procs: list[LocalProcess] = []
         self.gateway_address = ""
         self.http_address = ""  # host:port of the OpenAI-compatible HTTP API, if on
+        # The fleets' answer the gateway reads (its --resolve-file): the local DNS.
+        self.resolve_file = self.workdir / "fleets.json"
+        self._spawned: dict[str, int] = {}  # kind -> processes started (index of the next)
 
     def __enter__(self) -> LocalCluster:
         try:
@@ -96,46 +122,44 @@ class LocalCluster:
 
     # -- lifecycle --------------------------------------------------------------------
 
+    def worker_argv(self, kind: str) -> list[str]:
+        """The command line (after ``python -m``) of a ``kind`` worker of this spec."""
+        s = self.spec
+        common = ["--model", s.model, "--dtype", s.dtype, "--log-level", s.log_level]
+        if s.mode == "single":
+            return ["decode_service", "--single-process", *common, *s.worker_args]
+        module = {"prefill": "prefill_service", "decode": "decode_service"}[kind]
+        return [module, "--transport", s.transport, *common, *s.worker_args]
+
     def start(self) -> None:
         s = self.spec
-        common = (
-            "--model",
-            s.model,
-            "--dtype",
-            s.dtype,
-            "--log-level",
-            s.log_level,
-            *s.worker_args,
-        )
-        workers: list[_Proc] = []
-        if s.mode == "single":
-            for i in range(s.num_decode):
-                workers.append(
-                    self._spawn("decode", i, ["decode_service", "--single-process", *common])
-                )
-        else:
-            for i in range(s.num_prefill):
-                workers.append(
-                    self._spawn(
-                        "prefill", i, ["prefill_service", "--transport", s.transport, *common]
-                    )
-                )
-            for i in range(s.num_decode):
-                workers.append(
-                    self._spawn(
-                        "decode", i, ["decode_service", "--transport", s.transport, *common]
-                    )
-                )
+        kinds = ["decode"] * s.num_decode
+        if s.mode == "disaggregated":
+            kinds = ["prefill"] * s.num_prefill + kinds
+        workers = [self._spawn(k, self._next_index(k), self.worker_argv(k)) for k in kinds]
         deadline = time.monotonic() + s.start_timeout_s
         for proc in workers:
             self._await_port(proc, deadline)
         for proc in workers:
             wait_serving(proc.address, deadline - time.monotonic(), proc, s.probe_credentials)
-        gw_args = ["gateway", "--model", s.model, "--log-level", s.log_level, *s.gateway_args]
-        for addr in self.addresses("decode"):
-            gw_args += ["--decode", addr]
-        for addr in self.addresses("prefill"):
-            gw_args += ["--prefill", addr]
+            proc.listed = True
+        self.publish()
+        gw_args = [
+            "gateway",
+            "--model",
+            s.model,
+            "--log-level",
+            s.log_level,
+            "--resolve-file",
+            str(self.resolve_file),
+            "--resolve-interval-s",
+            str(RESOLVE_INTERVAL_S),
+            "--decode",
+            f"dns:///{FLEET_NAMES['decode']}",
+        ]
+        if s.mode == "disaggregated":
+            gw_args += ["--prefill", f"dns:///{FLEET_NAMES['prefill']}"]
+        gw_args += s.gateway_args
         http_port_file = self.workdir / "gateway-0.http.port"
         if s.http_port is not None:
             gw_args += ["--http-port", str(s.http_port), "--http-port-file", str(http_port_file)]
@@ -165,6 +189,49 @@ class LocalCluster:
             self._tmp.cleanup()
             self._tmp = None
 
+    def publish(self) -> None:
+        """Write the fleets' answer: every listed worker, by kind (atomically, so the
+        gateway reads the old answer or the new one)."""
+        answer = {
+            FLEET_NAMES[kind]: [p.address for p in self.procs if p.kind == kind and p.listed]
+            for kind in WORKER_KINDS
+        }
+        tmp = self.resolve_file.with_name(f".{self.resolve_file.name}.tmp")
+        tmp.write_text(json.dumps(answer, indent=1))
+        os.replace(tmp, self.resolve_file)
+
+    def add_worker(
+        self,
+        kind: str,
+        *,
+        argv: list[str] | None = None,
+        port: int = 0,
+        timeout_s: float | None = None,
+    ) -> LocalProcess:
+        """Start one more ``kind`` worker (``argv``: its command line after ``python -m``,
+        default :meth:`worker_argv`) and list it in its fleet once it serves, as a pod
+        that became ready: the gateway routes to it from its next lookup."""
+        kinds = WORKER_KINDS if self.spec.mode == "disaggregated" else ("decode",)
+        if kind not in kinds:
+            raise ValueError(f"kind must be one of {kinds} in {self.spec.mode} mode, got {kind!r}")
+        proc = self._spawn(kind, self._next_index(kind), argv or self.worker_argv(kind), port)
+        deadline = time.monotonic() + (timeout_s or self.spec.start_timeout_s)
+        self._await_port(proc, deadline)
+        wait_serving(proc.address, deadline - time.monotonic(), proc, self.spec.probe_credentials)
+        proc.listed = True
+        self.publish()
+        return proc
+
+    def terminate(self, proc: LocalProcess) -> None:
+        """Take ``proc`` out of its fleet's answer and send it SIGTERM, as Kubernetes does
+        to a pod it deletes: it drains (refusing new work, finishing its streams) and
+        exits; wait for that with ``proc.popen.wait``."""
+        if proc.listed:
+            proc.listed = False
+            self.publish()
+        if proc.popen.poll() is None:
+            proc.popen.send_signal(signal.SIGTERM)
+
     def kill(self, kind: str, index: int = 0) -> None:
         """SIGKILL one process (failure tests)."""
         popen = self.process(kind, index)
@@ -180,7 +247,13 @@ class LocalCluster:
 
     # -- internals --------------------------------------------------------------------
 
-    def _spawn(self, kind: str, index: int, argv: list[str], port: int = 0) -> _Proc:
+    def _next_index(self, kind: str) -> int:
+        """Every process gets a fresh index, so no stale port file is taken for its own."""
+        index = self._spawned.get(kind, 0)
+        self._spawned[kind] = index + 1
+        return index
+
+    def _spawn(self, kind: str, index: int, argv: list[str], port: int = 0) -> LocalProcess:
         port_file = self.workdir / f"{kind}-{index}.port"
         log = self.workdir / f"{kind}-{index}.log"
         cmd = [
@@ -194,6 +267,10 @@ class LocalCluster:
             "--port-file",
             str(port_file),
         ]
+        metrics_address = ""
+        if self.spec.metrics:
+            metrics_address = f"127.0.0.1:{_free_port()}"
+            cmd += ["--metrics-port", metrics_address.rpartition(":")[2]]
         cpus = self.spec.cpus.get(kind)
         env = dict(os.environ)
         if cpus:
@@ -208,11 +285,11 @@ class LocalCluster:
             popen = subprocess.Popen(
                 cmd, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=pin if cpus else None
             )
-        proc = _Proc(kind, popen, port_file, log)
+        proc = LocalProcess(kind, popen, port_file, log, metrics_address=metrics_address)
         self.procs.append(proc)
         return proc
 
-    def _await_port(self, proc: _Proc, deadline: float) -> None:
+    def _await_port(self, proc: LocalProcess, deadline: float) -> None:
         while time.monotonic() < deadline:
             if proc.port_file.exists() and proc.port_file.read_text().strip():
                 proc.address = f"127.0.0.1:{int(proc.port_file.read_text())}"
@@ -226,10 +303,17 @@ class LocalCluster:
         raise TimeoutError(f"{proc.kind} did not report its port in time; log: {proc.log}")
 
 
+def _free_port() -> int:
+    """A port free on 127.0.0.1 now (the process binds it a moment later)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def wait_serving(
     address: str,
     timeout_s: float,
-    proc: _Proc | None = None,
+    proc: LocalProcess | None = None,
     credentials: grpc.ChannelCredentials | None = None,
 ) -> None:
     """Block until ``address`` reports SERVING on the standard health service (over TLS

@@ -95,18 +95,21 @@ class WorkerSnapshot:
 
 
 class WorkerCollector(Collector):
-    """The worker metrics, from ``snapshot()`` and ``transfers()`` (None: this worker
-    moves no KV, or not yet) at every scrape. ``role`` labels them all."""
+    """The worker metrics, from ``snapshot()``, ``transfers()`` (None: this worker moves
+    no KV, or not yet) and ``quarantined()`` (None: it receives no KV) at every scrape.
+    ``role`` labels them all."""
 
     def __init__(
         self,
         role: str,
         snapshot: Callable[[], WorkerSnapshot | None],
         transfers: Callable[[], TransferStats | None] = lambda: None,
+        quarantined: Callable[[], int | None] = lambda: None,
     ) -> None:
         self._role = role
         self._snapshot = snapshot
         self._transfers = transfers
+        self._quarantined = quarantined
 
     def describe(self) -> list[Metric]:
         return []  # names are only known from a snapshot; nothing to check up front
@@ -115,6 +118,16 @@ class WorkerCollector(Collector):
         transfers = self._transfers()
         if transfers is not None:
             yield from _transfer_metrics(self._role, transfers)
+        quarantined = self._quarantined()
+        if quarantined is not None:
+            leases = GaugeMetricFamily(
+                "baton_kv_quarantined_leases",
+                "Ended KV leases whose blocks a stalled but live prefill writer still "
+                "claims, kept out of use until it lets go or dies.",
+                labels=["role"],
+            )
+            leases.add_metric([self._role], quarantined)
+            yield leases
         snap = self._snapshot()
         if snap is None:
             return

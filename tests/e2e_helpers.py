@@ -24,7 +24,7 @@ import grpc
 import grpc.aio
 import pytest
 
-from gateway.launcher import ClusterSpec, LocalCluster, wait_serving
+from gateway.launcher import ClusterSpec, LocalCluster
 from protos.baton.v1 import common_pb2, generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 T = TypeVar("T")
@@ -55,7 +55,6 @@ class E2ECluster(LocalCluster):
         super().__init__(spec)
         self._extra = {"prefill": tuple(prefill_args), "decode": tuple(decode_args)}
         self._argv: dict[int, tuple[int, list[str]]] = {}
-        self._respawns = 0
 
     def _spawn(self, kind: str, index: int, argv: list[str], port: int = 0):  # noqa: ANN202
         extra = list(self._extra.get(kind, ()))
@@ -76,16 +75,9 @@ class E2ECluster(LocalCluster):
         return list(self._argv[id(proc)][1])
 
     def respawn(self, kind: str, argv: list[str], port: int, timeout_s: float = 120.0):  # noqa: ANN201
-        """Start a worker again on ``port`` (a restarted pod) and wait until it serves.
-
-        Each start gets its own port and log file (index 1000+), so a stale port file of
-        an earlier process is never taken for this one's."""
-        self._respawns += 1
-        proc = self._spawn(kind, 1000 + self._respawns, argv, port)
-        deadline = time.monotonic() + timeout_s
-        self._await_port(proc, deadline)
-        wait_serving(proc.address, deadline - time.monotonic(), proc, self.spec.probe_credentials)
-        return proc
+        """Start a worker again on ``port`` (a restarted pod), wait until it serves and
+        list it in its fleet (its own port and log file, as every start has)."""
+        return self.add_worker(kind, argv=argv, port=port, timeout_s=timeout_s)
 
     def live_workers(self) -> list[tuple[str, str]]:
         """(kind, address) of every worker process still running."""
@@ -118,10 +110,12 @@ def tiny_cluster(
     gateway_args: Sequence[str] = (),
     http_port: int | None = None,
     probe_credentials: grpc.ChannelCredentials | None = None,
+    metrics: bool = False,
 ) -> Iterator[E2ECluster]:
     """Start a cluster of the tiny model (float32, one compute thread per worker); stop
     it on the way out, whatever happened. ``http_port`` (0: any) turns on the gateway's
-    OpenAI-compatible HTTP API (``cluster.http_address``)."""
+    OpenAI-compatible HTTP API (``cluster.http_address``); ``metrics`` every process's
+    Prometheus metrics (``proc.metrics_address``)."""
     spec = ClusterSpec(
         model=str(model_dir),
         mode=mode,
@@ -135,6 +129,7 @@ def tiny_cluster(
         log_level="INFO",
         http_port=http_port,
         probe_credentials=probe_credentials,
+        metrics=metrics,
     )
     with E2ECluster(spec, prefill_args=prefill_args, decode_args=decode_args) as cluster:
         yield cluster

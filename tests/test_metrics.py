@@ -68,11 +68,15 @@ def test_worker_collector_exposes_every_worker_metric_from_the_snapshot() -> Non
     tally.record(0.01, 0, errors.AbortedError("checksum"))
     snapshot: list[WorkerSnapshot | None] = [None]
     moved: list[TransferStats | None] = [None]
+    quarantined: list[int | None] = [None]
     registry = CollectorRegistry()
-    registry.register(WorkerCollector("decode", lambda: snapshot[0], lambda: moved[0]))
+    registry.register(
+        WorkerCollector("decode", lambda: snapshot[0], lambda: moved[0], lambda: quarantined[0])
+    )
     assert samples(registry) == {}  # nothing while the worker starts
     snapshot[0] = WorkerSnapshot(engine_stats(), busy_ratio=0.25)
     moved[0] = tally.snapshot()
+    quarantined[0] = 2
     got = samples(registry)
     role = (("role", "decode"),)
     expected = {
@@ -94,6 +98,7 @@ def test_worker_collector_exposes_every_worker_metric_from_the_snapshot() -> Non
         "baton_generation_tokens_total": 77,
         "baton_kv_transfer_bytes_total": 4096 + 8192,
         "baton_kv_transfer_seconds_count": 4,
+        "baton_kv_quarantined_leases": 2,
     }
     for name, value in expected.items():
         assert got[(name, role)] == pytest.approx(value), name
