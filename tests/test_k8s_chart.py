@@ -180,6 +180,12 @@ def test_helm_lint_is_clean() -> None:
 def test_notes_name_every_workload() -> None:
     notes = render_notes({"mode": "colocated", "transfer": {"transport": "shm"}})
     assert "baton-colocated" in notes and "baton-gateway" in notes and "as colocated" in notes
+    assert "grpcurl -plaintext" in notes and "http://127.0.0.1:8000/v1/completions" in notes
+    secured = render_notes(
+        {"security": {"gatewayTls": {"secretName": "pub"}, "apiKeys": {"secretName": "keys"}}}
+    )
+    assert "-plaintext" not in secured and "https://127.0.0.1:8000" in secured
+    assert secured.count("authorization: Bearer <key>") == 2
 
 
 # --- what runs: commands, environment, ports ---------------------------------------------
