@@ -6,7 +6,7 @@ Owns the serving harness. In one run, on one model, dtype and engine settings, i
 - online: Poisson arrivals at one offered rate, the same for every configuration: TTFT
   and TPOT percentiles and throughput;
 - gateway overhead: single-process W1 through the gateway against the in-process
-  ``AsyncEngine`` (a `benchmarks.w1_offline` child with the same settings);
+  ``AsyncEngine`` (a `benchmarks.baton_w1` child with the same settings);
 - KV transfer rate of each CPU transport against a memcpy of the same bytes
   (`engine.transfer.bandwidth`), with SmolLM2's KV layout.
 
@@ -297,7 +297,7 @@ def run_baseline(opts: Options, tmp: Path) -> RunResult:
                    kv_cache_gib=opts.kv_cache_bytes / 2**30, max_model_len=opts.max_model_len,
                    single_new_tokens=0)
     out = tmp / "in-process.json"
-    argv = [sys.executable, "-m", "benchmarks.w1_offline", "--spec", spec.to_json(),
+    argv = [sys.executable, "-m", "benchmarks.baton_w1", "--spec", spec.to_json(),
             "--out", str(out)]
     return common.run_child(argv, out, cwd=REPO, timeout_s=3600.0)
 
@@ -467,7 +467,7 @@ def settings_notes(opts: Options) -> list[str]:
         " request; online tok/s = output tokens / (first arrival to last token).",
         f"Online requests: the first {opts.online_limit} W1 requests, with the first prompt id"
         " changed so that the offline pass's prefix cache cannot match them.",
-        "In-process: `benchmarks.w1_offline` child, AsyncEngine with the same settings and all"
+        "In-process: `benchmarks.baton_w1` child, AsyncEngine with the same settings and all"
         " requests submitted at once.",
     ]
 

@@ -5,10 +5,15 @@ them. It talks to the thread through a command queue (add, abort, reserve, KV re
 release) and gets outputs back through ``call_soon_threadsafe``, so the event loop never
 blocks on a step.
 
-Steps overlap: while step N computes on the runner thread, the engine thread applies
-step N-1's results and schedules step N+1 (tokens that N will sample are *pending* and
-the runner fills them in). The busy fraction is the share of wall time with a forward
-in flight.
+Steps overlap: while step N computes on the runner thread, the engine thread schedules
+step N+1 and builds its input tensors (tokens that N will sample are *pending* and the
+runner fills them in), queues it behind N, and only then waits for N and applies its
+results. So the runner starts N+1 the moment N's samples exist, and everything the
+engine thread does (commands, scheduling, input preparation, updates, handing outputs
+to asyncio) falls inside the forward of the step after. The forward runs compiled code
+that releases the GIL, so the engine thread's Python costs the forward at most the core
+it borrows; it never waits for the GIL. The busy fraction is the share of wall time with
+a forward in flight, measured by the runner the same way as in the synchronous loop.
 """
 
 from __future__ import annotations
@@ -255,7 +260,8 @@ class AsyncEngine:
                 if core.has_work():
                     sched = core.scheduler.schedule()
                     if not sched.empty:
-                        nxt = (sched, self._runner_pool.submit(core.runner.execute, sched))
+                        step = core.runner.prepare(sched)
+                        nxt = (sched, self._runner_pool.submit(core.runner.run, step))
                 if inflight is not None:
                     sched, fut = inflight
                     self._publish(core.update(sched, fut.result()))
