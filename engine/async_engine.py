@@ -10,10 +10,13 @@ step N+1 and builds its input tensors (tokens that N will sample are *pending* a
 runner fills them in), queues it behind N, and only then waits for N and applies its
 results. So the runner starts N+1 the moment N's samples exist, and everything the
 engine thread does (commands, scheduling, input preparation, updates, handing outputs
-to asyncio) falls inside the forward of the step after. The forward runs compiled code
-that releases the GIL, so the engine thread's Python costs the forward at most the core
-it borrows; it never waits for the GIL. The busy fraction is the share of wall time with
-a forward in flight, measured by the runner the same way as in the synchronous loop.
+to asyncio) falls inside the forward of the step after; the runner thread does only the
+forward and sampling. On a CPU the two threads share the cores torch computes on: the
+engine thread's work is small (W1: about 0.2 s of CPU in a 30 s run,
+``benchmarks/w1_profile.py``), and a decode step's forward runs as one compiled call per
+layer that releases the GIL, so the engine thread rarely holds the GIL the forward wants.
+The busy fraction is the share of wall time with a forward in flight, measured by the
+runner the same way as in the synchronous loop.
 """
 
 from __future__ import annotations

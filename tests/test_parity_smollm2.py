@@ -87,7 +87,7 @@ def test_greedy_matches_hf_generate(
 
 
 # Max |bf16 - HF fp32| of SmolLM2's logits, relative to the largest HF logit, on the
-# engine's fast path (measured: see the test's printout; 30 bf16 layers).
+# engine's fast path: measured 0.027 (30 bf16 layers, teacher-forced on HF's tokens).
 BF16_REL_TOL = 0.05
 
 
@@ -112,7 +112,7 @@ def test_bf16_logits_stay_within_tolerance_of_hf_fp32(
         logits = core.runner.forward_logits(sched)
         toks = []
         for row, (seq, (ref, ref_logits)) in enumerate(zip(sched.seqs, reference, strict=True)):
-            want = ref_logits[k + step - 1]
+            want = ref_logits[k + step]
             err = float((logits[row] - want).abs().max() / want.abs().max())
             worst = max(worst, err)
             assert err < BF16_REL_TOL, f"{seq.request.request_id} step {step}: {err:.3g}"
