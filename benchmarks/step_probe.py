@@ -121,13 +121,13 @@ class StepProbe:
             return out.step_id
 
         self._patch(sched, "schedule", self._timed("schedule", sched.schedule, schedule_step))
-        run = runner.run
+        run = runner._run  # on the compute thread, whichever loop queued the step
 
         def run_wrapper(step: Any) -> Any:
             self._local.step_id = step.sched.step_id
             return run(step)
 
-        self._patch(runner, "run", run_wrapper)
+        self._patch(runner, "_run", run_wrapper)
         self._patch(
             runner,
             "prepare",
@@ -171,8 +171,8 @@ class StepProbe:
             engine, "_publish",
             self._timed("publish", engine._publish, lambda *_: last_update["step"]),
         )  # fmt: skip
-        pool = engine._runner_pool
-        submit = pool.submit
+        runner = engine.core.runner
+        submit = runner.submit_run
 
         class _TimedFuture:
             def __init__(self, fut: Any, step_id: int):
@@ -187,12 +187,10 @@ class StepProbe:
             def __getattr__(self, name: str) -> Any:
                 return getattr(self._fut, name)
 
-        def submit_wrapper(fn: Any, *args: Any, **kwargs: Any) -> Any:
-            sched = getattr(args[0], "sched", None) if args else None
-            step_id = getattr(sched, "step_id", 0)
-            return _TimedFuture(submit(fn, *args, **kwargs), step_id)
+        def submit_wrapper(step: Any) -> Any:
+            return _TimedFuture(submit(step), step.sched.step_id)
 
-        self._patch(pool, "submit", submit_wrapper)
+        self._patch(runner, "submit_run", submit_wrapper)
 
     def _attach_hooks(self, model: Any) -> None:
         from torch import nn

@@ -5,7 +5,8 @@ them. It talks to the thread through a command queue (add, abort, reserve, KV re
 release) and gets outputs back through ``call_soon_threadsafe``, so the event loop never
 blocks on a step.
 
-Steps overlap: while step N computes on the runner thread, the engine thread schedules
+Steps overlap: while step N computes on the runner's compute thread (the thread that
+also loaded the model: ``engine.compute_thread``), the engine thread schedules
 step N+1 and builds its input tensors (tokens that N will sample are *pending* and the
 runner fills them in), queues it behind N, and only then waits for N and applies its
 results. So the runner starts N+1 the moment N's samples exist, and everything the
@@ -68,7 +69,6 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._runner_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="runner")
         self._stopping = False
         self._dead: BaseException | None = None
         self._started_at = time.monotonic()
@@ -89,7 +89,6 @@ class AsyncEngine:
         self._wake.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
-        self._runner_pool.shutdown(wait=True)
         for stream in self._streams.values():
             stream.queue.put_nowait(UnavailableError("engine is shutting down"))
         self._streams.clear()
@@ -264,7 +263,7 @@ class AsyncEngine:
                     sched = core.scheduler.schedule()
                     if not sched.empty:
                         step = core.runner.prepare(sched)
-                        nxt = (sched, self._runner_pool.submit(core.runner.run, step))
+                        nxt = (sched, core.runner.submit_run(step))
                 if inflight is not None:
                     sched, fut = inflight
                     self._publish(core.update(sched, fut.result()))

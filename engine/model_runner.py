@@ -1,15 +1,18 @@
 """Turns a scheduler decision into one forward pass and sampled tokens.
 
-Owns the model weights, the KV pool tensor and the per-request sampling state (seeded
-generators, the previous step's sampled ids). A step is two calls: ``prepare`` builds its
-input tensors from the ``SchedulerOutput`` alone (any thread, even while the previous
-step computes), and ``run`` fills in the tokens that were still pending when the step
-was scheduled from the previous step's samples, runs the forward and samples. ``run``
-is called on one thread at a time, in step order. ``execute`` is the two in a row.
+Owns the model weights, the KV pool tensor, the per-request sampling state (seeded
+generators, the previous step's sampled ids) and the compute thread that loads and runs
+the model (``engine.compute_thread``). A step is two calls: ``prepare`` builds its input
+tensors from the ``SchedulerOutput`` alone (any thread, even while the previous step
+computes), and ``run`` fills in the tokens that were still pending when the step was
+scheduled from the previous step's samples, runs the forward and samples, on the compute
+thread (``submit_run`` queues it there and returns a future). Steps run in the order
+they are queued. ``execute`` is the two in a row.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from dataclasses import dataclass
@@ -17,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from engine.compute_thread import ComputeThread
 from engine.config import EngineConfig, ModelConfig
 from engine.forward_context import AttentionMetadata, ForwardContext, PrefillSeq, forward_context
 from engine.kv_layout import KVLayout
@@ -68,22 +72,20 @@ class ModelRunner:
             head_dim=model_cfg.head_dim,
             dtype=cfg.dtype,
         )
-        torch.manual_seed(cfg.seed)
-        with torch.device(self.device):
-            model = LlamaForCausalLM(model_cfg)
-        model.load_weights(iter_safetensors(checkpoint, show_progress=show_progress))
-        self.model = model.to(self.dtype).eval()
-        self.model.prepare_fast_path()
         shape = self.layout.pool_shape(num_blocks)
-        if kv_pool is None:
-            kv_pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        if tuple(kv_pool.shape) != shape or kv_pool.dtype != self.dtype:
+        if kv_pool is not None and (tuple(kv_pool.shape) != shape or kv_pool.dtype != self.dtype):
             raise ValueError(
                 f"kv_pool has shape {tuple(kv_pool.shape)} {kv_pool.dtype}; "
                 f"expected {shape} {self.dtype}"
             )
-        self.kv_cache = kv_pool
-        self.sampler = Sampler(self.device, cfg.seed)
+        self.compute = ComputeThread(cfg.num_threads)
+        try:
+            self.model, self.kv_cache, self.sampler = self.compute.call(
+                self._load, checkpoint, shape, kv_pool, show_progress
+            )
+        except BaseException:
+            self.compute.shutdown()
+            raise
         self._generators: dict[str, torch.Generator] = {}
         self._last_sampled: dict[str, int] = {}
         # Wall seconds inside the model forward (and logits): the busy fraction's numerator,
@@ -93,6 +95,28 @@ class ModelRunner:
         self.prepare_seconds = 0.0
         self.sample_seconds = 0.0
         self.num_steps = 0
+
+    def _load(
+        self,
+        checkpoint: Path,
+        shape: tuple[int, ...],
+        kv_pool: torch.Tensor | None,
+        show_progress: bool,
+    ) -> tuple[LlamaForCausalLM, torch.Tensor, Sampler]:
+        """Model, KV pool and sampler, built on the compute thread."""
+        torch.manual_seed(self.cfg.seed)
+        with torch.device(self.device):
+            model = LlamaForCausalLM(self.model_cfg)
+        model.load_weights(iter_safetensors(checkpoint, show_progress=show_progress))
+        model = model.to(self.dtype).eval()
+        model.prepare_fast_path()
+        if kv_pool is None:
+            kv_pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        return model, kv_pool, Sampler(self.device, self.cfg.seed)
+
+    def close(self) -> None:
+        """End the compute thread once queued steps are done. Idempotent."""
+        self.compute.shutdown()
 
     # -- per-request state ------------------------------------------------------------
 
@@ -107,6 +131,16 @@ class ModelRunner:
         """Run one step; returns a sampled token for each seq with ``sample=True``."""
         return self.run(self.prepare(sched))
 
+    def run(self, step: PreparedStep) -> list[SampledToken | None]:
+        """Forward and sample a prepared step on the compute thread; waits for it."""
+        return self.compute.call(self._run, step)
+
+    def submit_run(
+        self, step: PreparedStep
+    ) -> concurrent.futures.Future[list[SampledToken | None]]:
+        """Queue ``run(step)`` on the compute thread behind the steps already queued."""
+        return self.compute.submit(self._run, step)
+
     @torch.inference_mode()
     def prepare(self, sched: SchedulerOutput) -> PreparedStep:
         """The step's input tensors. Reads only ``sched``: safe while a step runs."""
@@ -116,8 +150,8 @@ class ModelRunner:
         return step
 
     @torch.inference_mode()
-    def run(self, step: PreparedStep) -> list[SampledToken | None]:
-        """Forward and sample a prepared step; returns a token per seq with ``sample=True``."""
+    def _run(self, step: PreparedStep) -> list[SampledToken | None]:
+        """Forward and sample; a token per seq with ``sample=True``. On the compute thread."""
         self._fill_pending(step)
         t0 = time.perf_counter()
         logits = self._forward(step)
@@ -136,13 +170,15 @@ class ModelRunner:
         self.num_steps += 1
         return results
 
-    @torch.inference_mode()
     def forward_logits(self, sched: SchedulerOutput) -> torch.Tensor:
         """Float32 logits [num sampling seqs, vocab] of a step, without sampling.
 
         Writes the step's KV like ``execute`` does; used by parity tests.
         """
-        step = self._prepare(sched)
+        return self.compute.call(self._forward_logits, self.prepare(sched))
+
+    @torch.inference_mode()
+    def _forward_logits(self, step: PreparedStep) -> torch.Tensor:
         self._fill_pending(step)
         return self._forward(step)
 
