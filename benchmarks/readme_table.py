@@ -86,13 +86,22 @@ def w1_section(path: Path) -> list[str]:
     lines += ["", markdown_table(headers, rows)]
     singles = [s for s in raw.get("single_stream", []) if s.get("baton_tok_s")]
     if singles:
-        rows = [[s["dtype"], fmt(s["baton_tok_s"]), fmt(s["floor_tok_s"])] for s in singles]
+        opts = raw.get("options", {})
+        rows = [
+            [
+                s["dtype"], fmt(s["baton_tok_s"]), f"{s['memcpy_bytes_per_s'] / 1e9:.1f}",
+                fmt(s["floor_tok_s"]),
+            ]
+            for s in singles
+        ]  # fmt: skip
         lines += [
             "",
-            "Single stream (256-token prompt, 128 new tokens), decode tok/s against the"
-            " weight-read floor (memcpy rate / weight bytes):",
+            f"Single stream ({opts.get('single_prompt_len', '?')}-token prompt,"
+            f" {opts.get('single_new_tokens', '?')} new tokens), decode tok/s against the"
+            " weight-read floor (the memcpy rate measured at the start of the run / weight"
+            " bytes):",
             "",
-            markdown_table(("dtype", "baton decode tok/s", "floor tok/s"), rows),
+            markdown_table(("dtype", "baton decode tok/s", "memcpy GB/s", "floor tok/s"), rows),
         ]
     return lines
 

@@ -136,10 +136,11 @@ def main(argv: list[str] | None = None) -> Path:
                 f"- {name} {mode}: {statistics.median(rates):.1f}"
                 f" ({min(rates):.1f}-{max(rates):.1f}){single}"
             )
-    digests = {r.outputs_digest for _, r in results}
+    for name in trees:
+        digests = {r.outputs_digest for n, r in results if n == name}
+        same = "identical" if len(digests) == 1 else "DIFFERENT"
+        lines.append(f"- {name}: output ids {same} across modes and runs.")
     lines += [
-        f"- output ids: {'identical' if len(digests) == 1 else 'DIFFERENT'} across trees,"
-        " modes and runs.",
         "- other CPU: share of the machine's CPU time that processes outside the run took.",
     ]
     text = "\n".join(lines) + "\n"
