@@ -66,11 +66,15 @@ def _run_sync(core: Any, requests: list[common.W1Request], probe: StepProbe) -> 
 
 
 async def _run_async(
-    core: Any, requests: list[common.W1Request], probe: StepProbe, cpu_end: dict[str, float]
+    core: Any,
+    requests: list[common.W1Request],
+    probe: StepProbe,
+    cpu_end: dict[str, float],
+    overlap: bool,
 ) -> float:
     from engine.async_engine import AsyncEngine
 
-    engine = AsyncEngine(core)
+    engine = AsyncEngine(core, overlap=overlap)
     await engine.start()
 
     async def collect(rid: str, prompt: list[int], max_tokens: int) -> int:
@@ -81,7 +85,7 @@ async def _run_async(
 
     try:
         await collect("warmup-async", common.warmup_prompt(), common.WARMUP_NEW_TOKENS)
-        probe.attach(core, engine)
+        probe.attach(core, engine if overlap else None)
         t0 = time.perf_counter()
         await asyncio.gather(
             *(collect(r.request_id, r.prompt_token_ids, r.output_len) for r in requests)
@@ -107,7 +111,7 @@ def profile_once(
         wall = _run_sync(core, requests, probe)
         cpu1 = thread_cpu_seconds()
     else:
-        wall = asyncio.run(_run_async(core, requests, probe, cpu1))
+        wall = asyncio.run(_run_async(core, requests, probe, cpu1, overlap=mode == "async"))
     threads = {k: v - cpu0.get(k, 0.0) for k, v in cpu1.items() if v - cpu0.get(k, 0.0) > 0.01}
     steps = sorted((s for s in probe.steps.values() if s.num_seqs), key=lambda s: s.step_id)
     return ProfiledRun(
@@ -204,11 +208,13 @@ def summary_row(run: ProfiledRun) -> list[str]:
         s.wall.get(p, 0.0) for s in run.steps for p in ("prepare", "forward", "sample")
     )
     g = _thread_groups(run)
-    if run.mode == "sync":  # the main thread is the engine and the runner
-        engine_cpu, runner_cpu, loop_cpu = "-", f"{g['main']:.2f}", "-"
+    # The forward runs on the runner's compute thread in every mode; in sync mode the
+    # main thread is the engine loop.
+    runner_cpu = f"{g['runner']:.2f}"
+    if run.mode == "sync":
+        engine_cpu, loop_cpu = f"{g['main']:.2f}", "-"
     else:
-        engine_cpu, runner_cpu = f"{g['engine']:.2f}", f"{g['runner']:.2f}"
-        loop_cpu = f"{g['main']:.2f}"
+        engine_cpu, loop_cpu = f"{g['engine']:.2f}", f"{g['main']:.2f}"
     total_cpu = sum(g.values())
     return [
         run.mode, f"{run.wall_s:.2f}", f"{run.output_tokens / run.wall_s:.1f}",
@@ -291,7 +297,13 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--kv-gib", type=float, default=4.0)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=2, help="passes per mode, alternating")
-    ap.add_argument("--modes", nargs="+", default=["sync", "async"], choices=["sync", "async"])
+    ap.add_argument(
+        "--modes",
+        nargs="+",
+        default=["sync", "async"],
+        choices=["sync", "async", "async-serial"],
+        help="async-serial: AsyncEngine(overlap=False), the loop on the compute thread",
+    )
     ap.add_argument("--breakdown", action="store_true", help="one more pass with module hooks")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)

@@ -6,18 +6,18 @@ release) and gets outputs back through ``call_soon_threadsafe``, so the event lo
 blocks on a step.
 
 Steps overlap: while step N computes on the runner's compute thread (the thread that
-also loaded the model: ``engine.compute_thread``), the engine thread schedules
-step N+1 and builds its input tensors (tokens that N will sample are *pending* and the
-runner fills them in), queues it behind N, and only then waits for N and applies its
-results. So the runner starts N+1 the moment N's samples exist, and everything the
-engine thread does (commands, scheduling, input preparation, updates, handing outputs
-to asyncio) falls inside the forward of the step after; the runner thread does only the
-forward and sampling. On a CPU the two threads share the cores torch computes on: the
-engine thread's work is small (W1: about 0.2 s of CPU in a 30 s run,
-``benchmarks/w1_profile.py``), and a decode step's forward runs as one compiled call per
-layer that releases the GIL, so the engine thread rarely holds the GIL the forward wants.
-The busy fraction is the share of wall time with a forward in flight, measured by the
-runner the same way as in the synchronous loop.
+also loaded the model: ``engine.compute_thread``), the engine thread schedules step N+1
+and builds its input tensors (tokens that N will sample are *pending* and the runner
+fills them in), queues it behind N, and only then waits for N and applies its results.
+So the runner starts N+1 the moment N's samples exist, and the engine thread's work
+(commands, scheduling, input preparation, updates, handing outputs to asyncio) falls
+inside the forward of the step after. That is what a GPU wants. On a 2-core CPU the
+forward's OpenMP threads hold both cores and the engine's work is under 2% of a W1 step
+(``benchmarks/w1_profile.py``: the synchronous loop keeps a forward in flight 98% of
+the time), so overlap can win at most that much there; ``overlap=False`` instead runs
+the whole loop on the compute thread, one step after another. The busy fraction is the
+share of wall time with a forward in flight, measured by the runner the same way as in
+the synchronous loop.
 """
 
 from __future__ import annotations
@@ -62,8 +62,13 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, core: EngineCore):
+    def __init__(self, core: EngineCore, *, overlap: bool = True):
+        """``overlap``: schedule and prepare step N+1 on the engine thread while step N
+        computes (the default). False runs the whole loop on the runner's compute thread,
+        one step after another like ``EngineCore.step``, so that nothing but the forward
+        runs while the forward's OpenMP threads hold both of a small CPU's cores."""
         self.core = core
+        self.overlap = overlap
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -80,7 +85,9 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         self._started_at = time.monotonic()
         self._busy_at_start = self.core.runner.busy_seconds
-        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        # Serial mode: the engine thread only hands the loop to the compute thread.
+        target = self._run if self.overlap else self._run_serial_on_compute_thread
+        self._thread = threading.Thread(target=target, name="engine", daemon=True)
         self._thread.start()
 
     async def shutdown(self) -> None:
@@ -248,6 +255,30 @@ class AsyncEngine:
                 command()
             except Exception:
                 logger.exception("engine command failed")
+
+    def _run_serial_on_compute_thread(self) -> None:
+        self.core.runner.compute.call(self._run_serial)
+
+    def _run_serial(self) -> None:
+        core = self.core
+        try:
+            while not self._stopping:
+                if not core.has_work():
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                self._drain()
+                if core.has_work():
+                    sched = core.scheduler.schedule()
+                    if not sched.empty:
+                        sampled = core.runner.run(core.runner.prepare(sched))
+                        self._publish(core.update(sched, sampled))
+        except BaseException as exc:
+            logger.exception("engine thread died")
+            self._dead = exc
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(
+                    self._fail_all, UnavailableError(f"engine thread died: {exc!r}")
+                )
 
     def _run(self) -> None:
         core = self.core
