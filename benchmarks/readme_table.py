@@ -36,9 +36,15 @@ def _newest(pattern: re.Pattern[str]) -> Path | None:
 
 
 def newest_w1() -> Path | None:
-    """The newest full W1 run, else the newest ``--limit`` run."""
+    """The newest full W1 run, else the newest ``--limit`` run (the largest limit that day)."""
     full = _newest(re.compile(r"w1_\d{4}-\d{2}-\d{2}\.json"))
-    return full or _newest(re.compile(r"w1_\d{4}-\d{2}-\d{2}_limit\d+\.json"))
+    if full:
+        return full
+    pattern = re.compile(r"w1_(\d{4}-\d{2}-\d{2})_limit(\d+)\.json")
+    limited = [(m, p) for p in RESULTS.glob("*.json") if (m := pattern.fullmatch(p.name))]
+    if not limited:
+        return None
+    return max(limited, key=lambda mp: (mp[0].group(1), int(mp[0].group(2))))[1]
 
 
 def newest_serving() -> Path | None:
