@@ -6,8 +6,9 @@ virtual environment, which does not have baton installed) can import this module
 - the W1 workload file and the fixed prompts for warm-up and the single-stream figure;
 - `RunSpec` / `RunResult`, the typed JSON messages between the harness and a child that
   runs one engine (each engine runs in its own process, so peak RSS is per engine);
-- `run_child`, which starts such a child and samples its process tree's RSS;
-- the markdown tables the harness prints and writes.
+- `run_child`, which starts such a child, samples its process tree's RSS and CPU, and
+  records the load average and the CPU other processes took meanwhile;
+- markdown helpers (the W1 tables themselves live in `benchmarks.w1_report`).
 """
 
 from __future__ import annotations
@@ -126,6 +127,11 @@ class RunResult:
     peak_rss_bytes: int = 0
     # A digest of every request's output ids, to compare engines that must agree.
     outputs_digest: str = ""
+    # Filled in by the harness: 1-minute load average just before and after the child ran,
+    # and the share of the machine's CPU time other processes used meanwhile.
+    load_before: float | None = None
+    load_after: float | None = None
+    other_cpu_share: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -221,18 +227,40 @@ def self_peak_rss_bytes() -> int:
     return 0
 
 
+def cpu_ticks(pid: int) -> int:
+    """User + system clock ticks one process has used so far, 0 when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return 0
+    fields = stat[stat.rindex(b")") + 2 :].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def machine_busy_ticks() -> int:
+    """Clock ticks all CPUs spent on anything but idle and I/O wait (from /proc/stat)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return sum(fields[:8]) - idle
+
+
 class TreeRssSampler:
     """Samples the summed RSS of a process tree on a thread; ``peak`` is the largest sum.
 
     A sum at one instant, not a sum of each process's own peak: two processes that peak at
     different moments are not double-counted. Spikes shorter than the poll period can be
-    missed, which is why a child also reports its own VmHWM.
+    missed, which is why a child also reports its own VmHWM. It also keeps the CPU ticks
+    each process of the tree was last seen to have used (``tree_ticks``), so the harness
+    can tell how much of the machine other processes took during the run.
     """
 
     def __init__(self, pid: int, period_s: float = _RSS_POLL_S):
         self.pid = pid
         self.period_s = period_s
         self.peak = 0
+        self._ticks: dict[int, int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
 
@@ -244,10 +272,17 @@ class TreeRssSampler:
         self._stop.set()
         self._thread.join()
 
+    @property
+    def tree_ticks(self) -> int:
+        return sum(self._ticks.values())
+
     def _run(self) -> None:
         while not self._stop.is_set():
-            total = sum(rss_bytes(p) for p in process_tree(self.pid))
+            tree = process_tree(self.pid)
+            total = sum(rss_bytes(p) for p in tree)
             self.peak = max(self.peak, total)
+            for p in tree:
+                self._ticks[p] = max(self._ticks.get(p, 0), cpu_ticks(p))
             self._stop.wait(self.period_s)
 
 
@@ -265,6 +300,8 @@ def run_child(
     sampled peak RSS. Raises RuntimeError naming the command when the child fails.
     """
     started = time.monotonic()
+    load_before = os.getloadavg()[0]
+    busy0 = machine_busy_ticks()
     proc = subprocess.Popen(argv, env=env, cwd=cwd)
     with TreeRssSampler(proc.pid) as sampler:
         try:
@@ -273,33 +310,23 @@ def run_child(
             proc.kill()
             proc.wait()
             raise RuntimeError(f"{argv[:4]} ran past {timeout_s:.0f}s and was killed") from None
+    elapsed = time.monotonic() - started
+    others = machine_busy_ticks() - busy0 - sampler.tree_ticks
     if rc != 0 or not result_path.is_file():
         raise RuntimeError(f"{' '.join(argv[:4])} ... exited with {rc} and no result")
     result = RunResult.from_dict(json.loads(result_path.read_text()))
     result.peak_rss_bytes = max(sampler.peak, result.self_peak_rss_bytes)
-    result.extra["child_seconds"] = round(time.monotonic() - started, 1)
+    result.load_before = load_before
+    result.load_after = os.getloadavg()[0]
+    capacity = elapsed * (os.cpu_count() or 1) * os.sysconf("SC_CLK_TCK")
+    result.other_cpu_share = max(0.0, others / capacity) if capacity > 0 else None
+    result.extra["child_seconds"] = round(elapsed, 1)
     return result
 
 
 # -- the batch-1 floor ----------------------------------------------------------------
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-@dataclass(frozen=True, slots=True)
-class SingleStream:
-    """Batch-1 decode rates against the weight-read floor, for one dtype."""
-
-    dtype: str
-    baton_tok_s: float | None
-    hf_tok_s: float | None
-    weight_bytes: int
-    memcpy_bytes_per_s: float
-
-    @property
-    def floor_tok_s(self) -> float:
-        # Each batch-1 decode step reads every weight once; nothing can go faster.
-        return self.memcpy_bytes_per_s / self.weight_bytes
 
 
 def weight_bytes(model_dir: Path, dtype: str) -> int:
@@ -354,54 +381,3 @@ def mib(n: int) -> str:
 
 def ratio(a: float | None, b: float | None) -> str:
     return "-" if a is None or b is None or b == 0 else f"{a / b:.2f}"
-
-
-RUN_HEADERS = (
-    "engine", "mode", "dtype", "requests", "output tok/s", "total tok/s", "wall s",
-    "peak RSS MiB", "busy", "baton/HF", "baton/vLLM",
-)
-SINGLE_HEADERS = (
-    "dtype", "baton decode tok/s", "HF decode tok/s", "weights MB", "memcpy GB/s",
-    "floor tok/s", "baton/floor", "baton/HF",
-)
-
-
-def run_table(results: Sequence[RunResult]) -> str:
-    """One row per run; baton rows carry output tok/s ratios to HF and vLLM at that dtype."""
-    peer = {(r.engine, r.dtype): r.output_tok_s for r in results if r.engine != "baton"}
-    rows = []
-    for r in results:
-        baton = r.engine == "baton"
-        rows.append([
-            r.engine, r.mode, r.dtype, str(r.num_requests),
-            fmt(r.output_tok_s), fmt(r.total_tok_s), fmt(r.wall_s, 2), mib(r.peak_rss_bytes),
-            fmt(r.busy_fraction, 2),
-            ratio(r.output_tok_s, peer.get(("hf", r.dtype))) if baton else "-",
-            ratio(r.output_tok_s, peer.get(("vllm", r.dtype))) if baton else "-",
-        ])
-    return markdown_table(RUN_HEADERS, rows)
-
-
-def single_table(singles: Sequence[SingleStream]) -> str:
-    rows = [
-        [
-            s.dtype, fmt(s.baton_tok_s), fmt(s.hf_tok_s), f"{s.weight_bytes / 1e6:.0f}",
-            f"{s.memcpy_bytes_per_s / 1e9:.1f}", fmt(s.floor_tok_s),
-            ratio(s.baton_tok_s, s.floor_tok_s), ratio(s.baton_tok_s, s.hf_tok_s),
-        ]
-        for s in singles
-    ]
-    return markdown_table(SINGLE_HEADERS, rows)
-
-
-def render_report(
-    header: Sequence[str],
-    results: Sequence[RunResult],
-    singles: Sequence[SingleStream],
-    notes: Sequence[str],
-) -> str:
-    """The whole report as markdown: header lines, both tables, then notes as a list."""
-    parts = [*header, "", run_table(results), "", "Single stream (batch 1):", ""]
-    parts += [single_table(singles), "", "Notes:", ""]
-    parts += [f"- {n}" for n in notes]
-    return "\n".join(parts) + "\n"

@@ -9,12 +9,11 @@ other work on the machine hits every variant alike:
 - ``torch``: today's plain-torch path (the portable backend);
 - ``sdpa``: decode queries through torch SDPA with ``enable_gqa`` and a padding mask;
 - ``kernels``: the compiled CPU kernels for attention, rope and norm;
-- ``kernels+llama``: also the model-file change proposed with them
-  (``engine.kernels.ops``): linear layers through the bf16 GEMV kernel up to
-  ``GEMV_MAX_ROWS`` rows and oneDNN-prepacked weights above, and SiLU-and-multiply in
-  one op;
-- ``kernels+fused``: also the proposed fused decoder layer (``ops.decode_layer``), one
-  kernel call per layer for decode-only batches of up to ``GEMV_MAX_ROWS`` rows.
+- ``kernels+llama``: also the model's fast linear path (``engine.kernels.ops``): linear
+  layers through the bf16 GEMV kernel up to ``GEMV_MAX_ROWS`` rows and oneDNN-prepacked
+  weights above, and SiLU-and-multiply in one op;
+- ``kernels+fused``: also the fused decoder layer (``ops.decode_layer``), one compiled
+  call per layer for decode-only batches. This is the model's production path.
 
 It prints, per batch size, the median wall and CPU time of a step (model forward plus
 logits of every row; sampling and batch preparation excluded) and the ratio to
@@ -46,13 +45,12 @@ from engine.forward_context import (
     forward_context,
     get_forward_context,
 )
-from engine.kernels import ops
 from engine.kernels.cpu import cpu_kernels
 from engine.kv_layout import KVLayout
-from engine.layers.attention import PagedAttention, decode_context_lens
+from engine.layers.attention import PagedAttention
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
-from engine.models.llama import MLP, DecoderLayer, LlamaForCausalLM
+from engine.models.llama import MLP, DecoderLayer, Linear, LlamaForCausalLM
 
 BLOCK_SIZE = 16
 VARIANTS = ("before", "torch", "sdpa", "kernels", "kernels+llama", "kernels+fused")
@@ -164,37 +162,6 @@ def _sdpa_decode(self: PagedAttention, q, k_cache, v_cache, meta) -> torch.Tenso
     return o.view(b, self.num_heads, d)
 
 
-def _ops_linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    packed = self.__dict__.get("_bench_packed")
-    if packed is None:
-        packed = self._bench_packed = ops.pack_linear_weight(self.weight)
-    return ops.linear(x, self.weight, self.bias, packed)
-
-
-def _ops_mlp(self: MLP, x: torch.Tensor) -> torch.Tensor:
-    return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
-
-
-def _fused_layer_forward(self: DecoderLayer, positions, hidden):
-    """DecoderLayer.forward as proposed: the fused decode layer where it applies."""
-    attn = self.self_attn
-    ctx = get_forward_context()
-    meta = ctx.attn
-    if attn.attn.use_kernel and not meta.prefills and meta.num_decode == hidden.shape[0]:
-        fused = ops.decode_layer(
-            hidden, positions, ctx.kv_cache, attn.attn.layer_idx, meta.slot_mapping,
-            meta.decode_block_tables, decode_context_lens(meta), attn.rope.cos, attn.rope.sin,
-            self.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias,
-            attn.o_proj.weight, self.post_attention_layernorm.weight,
-            self.mlp.gate_up_proj.weight, self.mlp.down_proj.weight, attn.num_heads,
-            self.input_layernorm.eps, attn.attn.scale,
-        )  # fmt: skip
-        if fused is not None:
-            return fused
-    hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden))
-    return hidden + self.mlp(self.post_attention_layernorm(hidden))
-
-
 def apply_variant(model: nn.Module, variant: str) -> None:
     """Switch every layer of ``model`` to ``variant`` (in place, reversible)."""
     kernels = variant.startswith("kernels")
@@ -209,15 +176,10 @@ def apply_variant(model: nn.Module, variant: str) -> None:
                 mod.forward = types.MethodType(_before_forward, mod)
             elif variant == "sdpa":
                 mod._decode = types.MethodType(_sdpa_decode, mod)
+        if isinstance(mod, Linear | MLP):
+            mod.use_kernel = llama
         if isinstance(mod, DecoderLayer):
-            mod.__dict__.pop("forward", None)
-            if variant == "kernels+fused":
-                mod.forward = types.MethodType(_fused_layer_forward, mod)
-        if isinstance(mod, nn.Linear | MLP):
-            mod.__dict__.pop("forward", None)
-            if llama:
-                impl = _ops_linear if isinstance(mod, nn.Linear) else _ops_mlp
-                mod.forward = types.MethodType(impl, mod)
+            mod.use_kernel = variant == "kernels+fused"
 
 
 def available_variants(dtype: torch.dtype, wanted: list[str]) -> list[str]:
@@ -294,6 +256,7 @@ def main(argv: list[str] | None = None) -> None:
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
     model = LlamaForCausalLM(SMOLLM2_135M).to(dtype).eval()
+    model.prepare_fast_path()
     variants = available_variants(dtype, args.variants)
     print(
         f"# decode step, SmolLM2-135M shape, {args.dtype}, {torch.get_num_threads()} threads, "

@@ -6,7 +6,7 @@ Owns the serving harness. In one run, on one model, dtype and engine settings, i
 - online: Poisson arrivals at one offered rate, the same for every configuration: TTFT
   and TPOT percentiles and throughput;
 - gateway overhead: single-process W1 through the gateway against the in-process
-  ``AsyncEngine`` (a `benchmarks.w1_offline` child with the same settings);
+  ``AsyncEngine`` (a `benchmarks.baton_w1` child with the same settings);
 - KV transfer rate of each CPU transport against a memcpy of the same bytes
   (`engine.transfer.bandwidth`), with SmolLM2's KV layout.
 
@@ -132,11 +132,17 @@ class Phase:
         prompt = sum(t.prompt_len for t in self.timings)
         output = sum(t.output_len for t in self.timings)
         out: dict[str, Any] = {
-            "phase": self.name, "rate_req_s": self.rate_req_s, "num_requests": len(self.timings),
-            "prompt_tokens": prompt, "output_tokens": output, "wall_s": self.wall_s,
-            "output_tok_s": output / self.wall_s, "total_tok_s": (prompt + output) / self.wall_s,
+            "phase": self.name,
+            "rate_req_s": self.rate_req_s,
+            "num_requests": len(self.timings),
+            "prompt_tokens": prompt,
+            "output_tokens": output,
+            "wall_s": self.wall_s,
+            "output_tok_s": output / self.wall_s,
+            "total_tok_s": (prompt + output) / self.wall_s,
             "outputs_digest": common.outputs_digest(
-                {t.request_id: t.token_ids for t in self.timings}),
+                {t.request_id: t.token_ids for t in self.timings}
+            ),
         }
         for name, values in (("ttft", ttft), ("tpot", tpot)):
             for q in (50, 90, 99):
@@ -146,8 +152,9 @@ class Phase:
         return out
 
 
-async def _request(client: Any, r: W1Request, arrival_s: float, t0: float,
-                   timeout_s: float, tag: str) -> Timing:
+async def _request(
+    client: Any, r: W1Request, arrival_s: float, t0: float, timeout_s: float, tag: str
+) -> Timing:
     from protos.client import SamplingParams
 
     delay = t0 + arrival_s - time.perf_counter()
@@ -155,8 +162,12 @@ async def _request(client: Any, r: W1Request, arrival_s: float, t0: float,
         await asyncio.sleep(delay)
     timing = Timing(r.request_id, len(r.prompt_token_ids), r.output_len, arrival_s)
     sampling = SamplingParams(max_tokens=r.output_len, temperature=0, ignore_eos=True)
-    async for resp in client.generate(token_ids=r.prompt_token_ids, sampling=sampling,
-                                      request_id=f"{tag}-{r.request_id}", timeout=timeout_s):
+    async for resp in client.generate(
+        token_ids=r.prompt_token_ids,
+        sampling=sampling,
+        request_id=f"{tag}-{r.request_id}",
+        timeout=timeout_s,
+    ):
         if resp.token_ids:
             now = time.perf_counter() - t0
             if not timing.token_ids:
@@ -166,8 +177,15 @@ async def _request(client: Any, r: W1Request, arrival_s: float, t0: float,
     return timing
 
 
-async def run_phase(client: Any, name: str, requests: list[W1Request],
-                    rate_req_s: float | None, seed: int, timeout_s: float, tag: str) -> Phase:
+async def run_phase(
+    client: Any,
+    name: str,
+    requests: list[W1Request],
+    rate_req_s: float | None,
+    seed: int,
+    timeout_s: float,
+    tag: str,
+) -> Phase:
     """All requests at t = 0 (rate None), or at Poisson arrivals of ``rate_req_s``."""
     arrivals = [0.0] * len(requests)
     if rate_req_s is not None:
@@ -176,9 +194,12 @@ async def run_phase(client: Any, name: str, requests: list[W1Request],
             at += rng.expovariate(rate_req_s)
             arrivals[i] = at
     t0 = time.perf_counter()
-    timings = await asyncio.gather(*(
-        _request(client, r, a, t0, timeout_s, f"{tag}-{name}")
-        for r, a in zip(requests, arrivals, strict=True)))
+    timings = await asyncio.gather(
+        *(
+            _request(client, r, a, t0, timeout_s, f"{tag}-{name}")
+            for r, a in zip(requests, arrivals, strict=True)
+        )
+    )
     common.check_output_lengths(requests, {t.request_id: t.token_ids for t in timings})
     return Phase(name, rate_req_s, max(t.last_s for t in timings), list(timings))
 
@@ -218,36 +239,53 @@ class Options:
 def _cluster_spec(opts: Options, cfg: ServingConfig) -> Any:
     from gateway.launcher import ClusterSpec
 
-    args = ["--kv-cache-bytes", str(opts.kv_cache_bytes), "--max-model-len",
-            str(opts.max_model_len)]
+    args = [
+        "--kv-cache-bytes",
+        str(opts.kv_cache_bytes),
+        "--max-model-len",
+        str(opts.max_model_len),
+    ]
     if cfg.mode == "disaggregated" and cfg.transport == "shm":
         # The default segment name is shared by every shm decode worker on the host.
         args += ["--transport-address", f"baton-serving-{uuid.uuid4().hex[:16]}"]
-    return ClusterSpec(model=str(opts.model_dir), mode=cfg.mode, transport=cfg.transport,
-                       dtype=opts.dtype, worker_args=tuple(args), cpus=cfg.cpus,
-                       start_timeout_s=600.0)
+    return ClusterSpec(
+        model=str(opts.model_dir),
+        mode=cfg.mode,
+        transport=cfg.transport,
+        dtype=opts.dtype,
+        worker_args=tuple(args),
+        cpus=cfg.cpus,
+        start_timeout_s=600.0,
+    )
 
 
-def _online_rate(opts: Options, offline_a: dict[str, Any] | None,
-                 online: list[W1Request]) -> tuple[float, str]:
+def _online_rate(
+    opts: Options, offline_a: dict[str, Any] | None, online: list[W1Request]
+) -> tuple[float, str]:
     if opts.rate_req_s is not None:
         return opts.rate_req_s, "given with --rate"
     assert offline_a is not None, "validated in _options"
     mean_tokens = sum(len(r.prompt_token_ids) + r.output_len for r in online) / len(online)
     rate = opts.load_fraction * offline_a["total_tok_s"] / mean_tokens
-    return rate, (f"{opts.load_fraction:.2f} x single-process offline total tok/s"
-                  f" ({offline_a['total_tok_s']:.1f}) / mean prompt+output tokens of the"
-                  f" online requests ({mean_tokens:.0f})")
+    return rate, (
+        f"{opts.load_fraction:.2f} x single-process offline total tok/s"
+        f" ({offline_a['total_tok_s']:.1f}) / mean prompt+output tokens of the"
+        f" online requests ({mean_tokens:.0f})"
+    )
 
 
-def run_config(opts: Options, cfg: ServingConfig, requests: list[W1Request],
-               online: list[W1Request], state: dict[str, Any]) -> dict[str, Any]:
+def run_config(
+    opts: Options,
+    cfg: ServingConfig,
+    requests: list[W1Request],
+    online: list[W1Request],
+    state: dict[str, Any],
+) -> dict[str, Any]:
     """Start one deployment, warm it up, run its phases, stop it."""
     from gateway.launcher import LocalCluster
     from protos.client import AsyncClient
 
-    result: dict[str, Any] = {
-        **asdict(cfg), "cpus": {k: sorted(v) for k, v in cfg.cpus.items()}}
+    result: dict[str, Any] = {**asdict(cfg), "cpus": {k: sorted(v) for k, v in cfg.cpus.items()}}
     started = time.monotonic()
     with LocalCluster(_cluster_spec(opts, cfg)) as cluster:
         result["startup_s"] = round(time.monotonic() - started, 1)
@@ -255,23 +293,38 @@ def run_config(opts: Options, cfg: ServingConfig, requests: list[W1Request],
         async def drive() -> None:
             async with AsyncClient(cluster.gateway_address) as client:
                 warm = W1Request("warmup", common.warmup_prompt(), common.WARMUP_NEW_TOKENS)
-                await run_phase(client, "warmup", [warm], None, 0, opts.request_timeout_s,
-                                cfg.key)
+                await run_phase(client, "warmup", [warm], None, 0, opts.request_timeout_s, cfg.key)
                 if not opts.skip_offline:
-                    phase = await run_phase(client, "offline", requests, None, 0,
-                                            opts.request_timeout_s, cfg.key)
+                    phase = await run_phase(
+                        client, "offline", requests, None, 0, opts.request_timeout_s, cfg.key
+                    )
                     result["offline"] = phase.summary()
-                    logger.info("%s offline: %.1f output tok/s in %.1f s", cfg.key,
-                                result["offline"]["output_tok_s"], phase.wall_s)
+                    logger.info(
+                        "%s offline: %.1f output tok/s in %.1f s",
+                        cfg.key,
+                        result["offline"]["output_tok_s"],
+                        phase.wall_s,
+                    )
                 if not opts.skip_online:
                     if "rate_req_s" not in state:
                         state["rate_req_s"], state["rate_source"] = _online_rate(
-                            opts, result.get("offline"), online)
-                    phase = await run_phase(client, "online", online, state["rate_req_s"],
-                                            opts.seed, opts.request_timeout_s, cfg.key)
+                            opts, result.get("offline"), online
+                        )
+                    phase = await run_phase(
+                        client,
+                        "online",
+                        online,
+                        state["rate_req_s"],
+                        opts.seed,
+                        opts.request_timeout_s,
+                        cfg.key,
+                    )
                     result["online"] = phase.summary()
-                    logger.info("%s online: TPOT p99 %.1f ms", cfg.key,
-                                1e3 * (result["online"]["tpot_p99_s"] or 0))
+                    logger.info(
+                        "%s online: TPOT p99 %.1f ms",
+                        cfg.key,
+                        1e3 * (result["online"]["tpot_p99_s"] or 0),
+                    )
 
         asyncio.run(drive())
     return result
@@ -291,13 +344,28 @@ def online_requests(requests: list[W1Request], limit: int) -> list[W1Request]:
 
 def run_baseline(opts: Options, tmp: Path) -> RunResult:
     """W1 through the in-process ``AsyncEngine``, same settings, in its own child."""
-    spec = RunSpec(engine="baton", mode="async", dtype=opts.dtype, model_dir=str(opts.model_dir),
-                   workload=str(opts.workload), limit=opts.limit, threads=len(opts.cpus),
-                   kv_cache_gib=opts.kv_cache_bytes / 2**30, max_model_len=opts.max_model_len,
-                   single_new_tokens=0)
+    spec = RunSpec(
+        engine="baton",
+        mode="async",
+        dtype=opts.dtype,
+        model_dir=str(opts.model_dir),
+        workload=str(opts.workload),
+        limit=opts.limit,
+        threads=len(opts.cpus),
+        kv_cache_gib=opts.kv_cache_bytes / 2**30,
+        max_model_len=opts.max_model_len,
+        single_new_tokens=0,
+    )
     out = tmp / "in-process.json"
-    argv = [sys.executable, "-m", "benchmarks.w1_offline", "--spec", spec.to_json(),
-            "--out", str(out)]
+    argv = [
+        sys.executable,
+        "-m",
+        "benchmarks.baton_w1",
+        "--spec",
+        spec.to_json(),
+        "--out",
+        str(out),
+    ]
     return common.run_child(argv, out, cwd=REPO, timeout_s=3600.0)
 
 
@@ -313,23 +381,25 @@ def run_bandwidth(opts: Options) -> list[dict[str, Any]]:
     num_blocks = max(4 * opts.bw_blocks_per_job, 64)
     rows = []
     for kind in opts.bw_kinds:
-        rounds = [measure(kind, layout, num_blocks, opts.bw_blocks_per_job, opts.bw_repeats)
-                  for _ in range(opts.bw_rounds)]
+        rounds = [
+            measure(kind, layout, num_blocks, opts.bw_blocks_per_job, opts.bw_repeats)
+            for _ in range(opts.bw_rounds)
+        ]
         best = dict(rounds[0])
         for key in ("transport_gbps", "verified_gbps", "memcpy_gbps"):
             best[key] = max(r[key] for r in rounds)
         best["ratio"] = best["transport_gbps"] / best["memcpy_gbps"]
         best["tokens_per_job"] = opts.bw_blocks_per_job * layout.block_size
         rows.append(best)
-        logger.info("%s: %.2f GB/s, memcpy %.2f GB/s", kind, best["transport_gbps"],
-                    best["memcpy_gbps"])
+        logger.info(
+            "%s: %.2f GB/s, memcpy %.2f GB/s", kind, best["transport_gbps"], best["memcpy_gbps"]
+        )
     return rows
 
 
 def output_agreement(raw: dict[str, Any]) -> str:
     """Whether every offline pass (and the in-process one) gave the same output ids."""
-    digests = {c["key"]: c["offline"]["outputs_digest"] for c in raw["configs"]
-               if "offline" in c}
+    digests = {c["key"]: c["offline"]["outputs_digest"] for c in raw["configs"] if "offline" in c}
     if raw.get("in_process"):
         digests["in-process"] = raw["in_process"]["outputs_digest"]
     if len(digests) < 2:
@@ -339,9 +409,12 @@ def output_agreement(raw: dict[str, Any]) -> str:
     groups: dict[str, list[str]] = {}
     for name, d in digests.items():
         groups.setdefault(d, []).append(name)
-    return ("Offline output ids differ (greedy ties broken differently by batch composition"
-            " are possible in reduced precision): " + "; ".join(
-                "=".join(names) for names in groups.values()) + ".")
+    return (
+        "Offline output ids differ (greedy ties broken differently by batch composition"
+        " are possible in reduced precision): "
+        + "; ".join("=".join(names) for names in groups.values())
+        + "."
+    )
 
 
 def run_all(opts: Options) -> dict[str, Any]:
@@ -377,25 +450,44 @@ def targets(raw: dict[str, Any]) -> list[dict[str, Any]]:
     base = raw.get("in_process")
     if base and "offline" in a:
         overhead = 1 - a["offline"]["output_tok_s"] / base["output_tok_s"]
-        out.append({"name": "gateway overhead (single-process offline vs in-process)",
-                    "value": f"{100 * overhead:.1f}%", "bound": f"<= {100 * OVERHEAD_TARGET:.0f}%",
-                    "passed": overhead <= OVERHEAD_TARGET})
+        out.append(
+            {
+                "name": "gateway overhead (single-process offline vs in-process)",
+                "value": f"{100 * overhead:.1f}%",
+                "bound": f"<= {100 * OVERHEAD_TARGET:.0f}%",
+                "passed": overhead <= OVERHEAD_TARGET,
+            }
+        )
     for c in raw["configs"]:
-        if (c["mode"] != "disaggregated" or "online" not in c or "online" not in a
-                or not c["online"]["tpot_p99_s"] or not a["online"]["tpot_p99_s"]):
+        if (
+            c["mode"] != "disaggregated"
+            or "online" not in c
+            or "online" not in a
+            or not c["online"]["tpot_p99_s"]
+            or not a["online"]["tpot_p99_s"]
+        ):
             continue
         tpot = c["online"]["tpot_p99_s"] / a["online"]["tpot_p99_s"]
         thr = c["online"]["output_tok_s"] / a["online"]["output_tok_s"]
-        out.append({"name": f"{c['key']} ({c['label']}) TPOT p99 / single-process at"
-                            " throughput / single-process",
-                    "value": f"{tpot:.2f} at {thr:.2f}",
-                    "bound": f"<= {TPOT_P99_TARGET} at >= {THROUGHPUT_TARGET}",
-                    "passed": tpot <= TPOT_P99_TARGET and thr >= THROUGHPUT_TARGET})
+        out.append(
+            {
+                "name": f"{c['key']} ({c['label']}) TPOT p99 / single-process at"
+                " throughput / single-process",
+                "value": f"{tpot:.2f} at {thr:.2f}",
+                "bound": f"<= {TPOT_P99_TARGET} at >= {THROUGHPUT_TARGET}",
+                "passed": tpot <= TPOT_P99_TARGET and thr >= THROUGHPUT_TARGET,
+            }
+        )
     for bw in raw["bandwidth"]:
         if bw["kind"] == "shm":
-            out.append({"name": "shm transfer / memcpy of the same bytes",
-                        "value": f"{bw['ratio']:.2f}", "bound": f">= {TRANSFER_TARGET}",
-                        "passed": bw["ratio"] >= TRANSFER_TARGET})
+            out.append(
+                {
+                    "name": "shm transfer / memcpy of the same bytes",
+                    "value": f"{bw['ratio']:.2f}",
+                    "bound": f">= {TRANSFER_TARGET}",
+                    "passed": bw["ratio"] >= TRANSFER_TARGET,
+                }
+            )
     return out
 
 
@@ -412,47 +504,131 @@ def render(raw: dict[str, Any], header: list[str]) -> str:
         if "offline" in c:
             o = c["offline"]
             vs = common.ratio(o["output_tok_s"], base["output_tok_s"]) if base else "-"
-            rows.append([c["key"], c["label"], str(o["num_requests"]), f(o["output_tok_s"]),
-                         f(o["total_tok_s"]), f(o["wall_s"], 2), vs])
+            rows.append(
+                [
+                    c["key"],
+                    c["label"],
+                    str(o["num_requests"]),
+                    f(o["output_tok_s"]),
+                    f(o["total_tok_s"]),
+                    f(o["wall_s"], 2),
+                    vs,
+                ]
+            )
     if base:
-        rows.append(["-", "in-process AsyncEngine (no gateway)", str(base["num_requests"]),
-                     f(base["output_tok_s"]), f(base["total_tok_s"]), f(base["wall_s"], 2),
-                     "1.00"])
+        rows.append(
+            [
+                "-",
+                "in-process AsyncEngine (no gateway)",
+                str(base["num_requests"]),
+                f(base["output_tok_s"]),
+                f(base["total_tok_s"]),
+                f(base["wall_s"], 2),
+                "1.00",
+            ]
+        )
     if rows:
-        parts += ["Offline W1 (all requests at t = 0):", "", md(
-            ["config", "deployment", "requests", "output tok/s", "total tok/s", "wall s",
-             "vs in-process"], rows), ""]
+        parts += [
+            "Offline W1 (all requests at t = 0):",
+            "",
+            md(
+                [
+                    "config",
+                    "deployment",
+                    "requests",
+                    "output tok/s",
+                    "total tok/s",
+                    "wall s",
+                    "vs in-process",
+                ],
+                rows,
+            ),
+            "",
+        ]
     a = next((c["online"] for c in raw["configs"] if c["key"] == "a" and "online" in c), None)
     rows = []
     for c in raw["configs"]:
         if "online" in c:
             o = c["online"]
-            rows.append([c["key"], c["label"], f(o["rate_req_s"], 2), str(o["num_requests"]),
-                         f(o["output_tok_s"]), _ms(o["ttft_p50_s"]), _ms(o["ttft_p99_s"]),
-                         _ms(o["tpot_p50_s"]), _ms(o["tpot_p99_s"]),
-                         common.ratio(o["output_tok_s"], a["output_tok_s"]) if a else "-",
-                         common.ratio(o["tpot_p99_s"], a["tpot_p99_s"]) if a else "-"])
+            rows.append(
+                [
+                    c["key"],
+                    c["label"],
+                    f(o["rate_req_s"], 2),
+                    str(o["num_requests"]),
+                    f(o["output_tok_s"]),
+                    _ms(o["ttft_p50_s"]),
+                    _ms(o["ttft_p99_s"]),
+                    _ms(o["tpot_p50_s"]),
+                    _ms(o["tpot_p99_s"]),
+                    common.ratio(o["output_tok_s"], a["output_tok_s"]) if a else "-",
+                    common.ratio(o["tpot_p99_s"], a["tpot_p99_s"]) if a else "-",
+                ]
+            )
     if rows:
-        parts += [f"Online (Poisson arrivals, {raw['rate_req_s']:.2f} req/s:"
-                  f" {raw['rate_source']}):", "", md(
-            ["config", "deployment", "rate req/s", "requests", "output tok/s", "TTFT p50 ms",
-             "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "tok/s vs a", "TPOT p99 vs a"],
-            rows), ""]
+        parts += [
+            f"Online (Poisson arrivals, {raw['rate_req_s']:.2f} req/s: {raw['rate_source']}):",
+            "",
+            md(
+                [
+                    "config",
+                    "deployment",
+                    "rate req/s",
+                    "requests",
+                    "output tok/s",
+                    "TTFT p50 ms",
+                    "TTFT p99 ms",
+                    "TPOT p50 ms",
+                    "TPOT p99 ms",
+                    "tok/s vs a",
+                    "TPOT p99 vs a",
+                ],
+                rows,
+            ),
+            "",
+        ]
     if raw["bandwidth"]:
-        rows = [[b["kind"], str(b["tokens_per_job"]), f(b["bytes_per_job"] / 1e6, 2),
-                 str(b["jobs"]), f(b["transport_gbps"], 2), f(b["verified_gbps"], 2),
-                 f(b["memcpy_gbps"], 2), f(b["ratio"], 2)] for b in raw["bandwidth"]]
-        parts += [f"KV transfer (SmolLM2 KV layout, random block ids, {raw['bw_threads']}"
-                  " torch thread(s), best of rounds; memcpy: the same bytes, same run):", "", md(
-            ["transport", "tokens/job", "MB/job", "jobs", "transport GB/s", "verified GB/s",
-             "memcpy GB/s", "transport/memcpy"], rows), "",
-                  f"A 256 MiB memcpy (beyond the caches) ran at {raw['memcpy_large_gbps']:.2f}"
-                  " GB/s.", ""]
+        rows = [
+            [
+                b["kind"],
+                str(b["tokens_per_job"]),
+                f(b["bytes_per_job"] / 1e6, 2),
+                str(b["jobs"]),
+                f(b["transport_gbps"], 2),
+                f(b["verified_gbps"], 2),
+                f(b["memcpy_gbps"], 2),
+                f(b["ratio"], 2),
+            ]
+            for b in raw["bandwidth"]
+        ]
+        parts += [
+            f"KV transfer (SmolLM2 KV layout, random block ids, {raw['bw_threads']}"
+            " torch thread(s), best of rounds; memcpy: the same bytes, same run):",
+            "",
+            md(
+                [
+                    "transport",
+                    "tokens/job",
+                    "MB/job",
+                    "jobs",
+                    "transport GB/s",
+                    "verified GB/s",
+                    "memcpy GB/s",
+                    "transport/memcpy",
+                ],
+                rows,
+            ),
+            "",
+            f"A 256 MiB memcpy (beyond the caches) ran at {raw['memcpy_large_gbps']:.2f} GB/s.",
+            "",
+        ]
     if raw["output_agreement"]:
         parts += [raw["output_agreement"], ""]
     parts += ["Targets:", ""]
-    parts += [f"- {'PASS' if t['passed'] else 'FAIL'} {t['name']}: {t['value']}"
-              f" (target {t['bound']})" for t in raw["targets"]]
+    parts += [
+        f"- {'PASS' if t['passed'] else 'FAIL'} {t['name']}: {t['value']} (target {t['bound']})"
+        for t in raw["targets"]
+    ]
     return "\n".join(parts) + "\n"
 
 
@@ -466,7 +642,7 @@ def settings_notes(opts: Options) -> list[str]:
         " request; online tok/s = output tokens / (first arrival to last token).",
         f"Online requests: the first {opts.online_limit} W1 requests, with the first prompt id"
         " changed so that the offline pass's prefix cache cannot match them.",
-        "In-process: `benchmarks.w1_offline` child, AsyncEngine with the same settings and all"
+        "In-process: `benchmarks.baton_w1` child, AsyncEngine with the same settings and all"
         " requests submitted at once.",
     ]
 
@@ -475,15 +651,22 @@ def settings_notes(opts: Options) -> list[str]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.serving", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.serving",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--model", default="smollm2-135m", help="bundled name, .gguf or HF dir")
     p.add_argument("--workload", type=Path, default=common.DEFAULT_WORKLOAD)
     p.add_argument("--limit", type=int, default=None, help="only the first N W1 requests")
     p.add_argument("--online-limit", type=int, default=32, help="requests in the online phase")
-    p.add_argument("--rate", type=float, default=None,
-                   help="online arrivals per second (default: --load-fraction of config a's"
-                        " offline throughput in this run)")
+    p.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="online arrivals per second (default: --load-fraction of config a's"
+        " offline throughput in this run)",
+    )
     p.add_argument("--load-fraction", type=float, default=0.75)
     p.add_argument("--configs", default="a,b,c", help="any of a,b,c,d, in run order")
     p.add_argument("--skip-offline", action="store_true")
@@ -496,8 +679,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--bw-blocks-per-job", type=int, default=16, help="16 blocks: 256 tokens")
     p.add_argument("--bw-repeats", type=int, default=20)
     p.add_argument("--bw-rounds", type=int, default=3)
-    p.add_argument("--bw-threads", type=int, default=1,
-                   help="torch threads of transport and memcpy alike (a transfer thread is one)")
+    p.add_argument(
+        "--bw-threads",
+        type=int,
+        default=1,
+        help="torch threads of transport and memcpy alike (a transfer thread is one)",
+    )
     p.add_argument("--seed", type=int, default=0, help="of the Poisson arrivals")
     p.add_argument("--request-timeout", type=float, default=900.0)
     p.add_argument("--results-dir", type=Path, default=REPO / "benchmarks" / "results")
@@ -511,8 +698,9 @@ def _options(a: argparse.Namespace) -> Options:
     configs = tuple(k.strip() for k in a.configs.split(",") if k.strip())
     for k in configs:
         if k not in known:
-            raise ValueError(f"--configs entry {k!r} is not one of {sorted(known)}"
-                             f" on {len(cpus)} CPU(s)")
+            raise ValueError(
+                f"--configs entry {k!r} is not one of {sorted(known)} on {len(cpus)} CPU(s)"
+            )
     if not configs or len(set(configs)) != len(configs):
         raise ValueError(f"--configs must name distinct configurations, got {a.configs!r}")
     if "a" in configs and configs[0] != "a":
@@ -525,27 +713,45 @@ def _options(a: argparse.Namespace) -> Options:
     if not 0 < a.load_fraction <= 1:
         raise ValueError(f"--load-fraction must be in (0, 1], got {a.load_fraction}")
     if not a.skip_online and a.rate is None and (a.skip_offline or "a" not in configs):
-        raise ValueError("the online rate comes from config a's offline run; give --rate"
-                         " when a is not run or --skip-offline is set")
+        raise ValueError(
+            "the online rate comes from config a's offline run; give --rate"
+            " when a is not run or --skip-offline is set"
+        )
     kinds = tuple(k.strip() for k in a.bw_kinds.split(",") if k.strip())
     for k in kinds:
         if k not in ("shm", "gloo"):
             raise ValueError(f"--bw-kinds entry {k!r} is not one of shm, gloo")
     if min(a.bw_blocks_per_job, a.bw_repeats, a.bw_rounds, a.bw_threads) < 1:
-        raise ValueError("--bw-blocks-per-job, --bw-repeats, --bw-rounds and --bw-threads"
-                         " must be >= 1")
+        raise ValueError(
+            "--bw-blocks-per-job, --bw-repeats, --bw-rounds and --bw-threads must be >= 1"
+        )
     from engine.model_files import resolve_model
 
     online_limit = min(a.online_limit, a.limit) if a.limit else a.online_limit
     return Options(
-        model_dir=resolve_model(a.model).path, workload=a.workload, limit=a.limit,
-        online_limit=online_limit, rate_req_s=a.rate, load_fraction=a.load_fraction,
-        configs=configs, skip_offline=a.skip_offline, skip_online=a.skip_online,
-        skip_baseline=a.skip_baseline, dtype=a.dtype, cpus=cpus,
-        kv_cache_bytes=a.kv_cache_bytes, max_model_len=a.max_model_len, bw_kinds=kinds,
-        bw_blocks_per_job=a.bw_blocks_per_job, bw_repeats=a.bw_repeats,
-        bw_rounds=a.bw_rounds, bw_threads=a.bw_threads, seed=a.seed,
-        request_timeout_s=a.request_timeout, results_dir=a.results_dir, plots=not a.no_plots,
+        model_dir=resolve_model(a.model).path,
+        workload=a.workload,
+        limit=a.limit,
+        online_limit=online_limit,
+        rate_req_s=a.rate,
+        load_fraction=a.load_fraction,
+        configs=configs,
+        skip_offline=a.skip_offline,
+        skip_online=a.skip_online,
+        skip_baseline=a.skip_baseline,
+        dtype=a.dtype,
+        cpus=cpus,
+        kv_cache_bytes=a.kv_cache_bytes,
+        max_model_len=a.max_model_len,
+        bw_kinds=kinds,
+        bw_blocks_per_job=a.bw_blocks_per_job,
+        bw_repeats=a.bw_repeats,
+        bw_rounds=a.bw_rounds,
+        bw_threads=a.bw_threads,
+        seed=a.seed,
+        request_timeout_s=a.request_timeout,
+        results_dir=a.results_dir,
+        plots=not a.no_plots,
     )
 
 
@@ -558,17 +764,22 @@ def main(argv: list[str] | None = None) -> Path:
     load_after, now = os.getloadavg(), dt.datetime.now()
     command = " ".join(sys.argv[1:] if argv is None else argv)
     header = [
-        f"# Serving benchmark, {now:%Y-%m-%d %H:%M}", "",
+        f"# Serving benchmark, {now:%Y-%m-%d %H:%M}",
+        "",
         f"Command: `python -m benchmarks.serving {command}`  ",
         f"Model: {opts.model_dir.name}, {opts.dtype}; {len(opts.cpus)} CPUs {list(opts.cpus)};"
         f" load average {load_before[0]:.2f} before, {load_after[0]:.2f} after;"
-        f" {time.monotonic() - started:.0f} s in all.", "",
+        f" {time.monotonic() - started:.0f} s in all.",
+        "",
         *[f"- {n}" for n in settings_notes(opts)],
     ]
     text = render(raw, header)
-    raw.update(date=now.isoformat(timespec="seconds"), command=command,
-               load_average=[load_before[0], load_after[0]],
-               options={k: str(v) for k, v in asdict(opts).items()})
+    raw.update(
+        date=now.isoformat(timespec="seconds"),
+        command=command,
+        load_average=[load_before[0], load_after[0]],
+        options={k: str(v) for k, v in asdict(opts).items()},
+    )
     opts.results_dir.mkdir(parents=True, exist_ok=True)
     # Quick runs get their own names so they never overwrite a full run's files.
     stem = f"serving_{now:%Y-%m-%d}" + (f"_limit{opts.limit}" if opts.limit else "")

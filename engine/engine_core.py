@@ -40,8 +40,7 @@ class EngineCore:
         show_progress: bool = True,
     ):
         self.cfg = cfg
-        if cfg.num_threads > 0:
-            torch.set_num_threads(cfg.num_threads)
+        # cfg.num_threads applies on the runner's compute thread, where torch computes.
         self.files: ModelFiles = resolve_model(
             cfg.model, Path(cfg.cache_dir) if cfg.cache_dir else None
         )

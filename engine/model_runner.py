@@ -1,14 +1,19 @@
 """Turns a scheduler decision into one forward pass and sampled tokens.
 
-Owns the model weights, the KV pool tensor and the previous step's sampled ids. Seeded
-sampling keeps no per-request state: each output position gets its own generator
-(``engine.sampler.position_generator``). ``execute`` is called on one thread at a
-time, in step order; it resolves tokens that were still pending when the step was
-scheduled from the previous step's samples.
+Owns the model weights, the KV pool tensor, the previous step's sampled ids and the
+compute thread that loads and runs the model (``engine.compute_thread``). Seeded sampling
+keeps no per-request state: each output position gets its own generator
+(``engine.sampler.position_generator``). A step is two calls: ``prepare`` builds its input
+tensors from the ``SchedulerOutput`` alone (any thread, even while the previous step
+computes), and ``run`` fills in the tokens that were still pending when the step was
+scheduled from the previous step's samples, runs the forward and samples, on the compute
+thread (``submit_run`` queues it there and returns a future). Steps run in the order
+they are queued. ``execute`` is the two in a row.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from dataclasses import dataclass
@@ -16,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from engine.compute_thread import ComputeThread
 from engine.config import EngineConfig, ModelConfig
 from engine.device import build_on, resolve_device
 from engine.forward_context import AttentionMetadata, ForwardContext, PrefillSeq, forward_context
@@ -31,12 +37,18 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 @dataclass(slots=True)
-class _Batch:
+class PreparedStep:
+    """A step's input tensors, ready for ``ModelRunner.run`` but for its pending tokens."""
+
+    sched: SchedulerOutput
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # flat row of the last token of each sampling seq
     sample_seq_idx: list[int]  # index into sched.seqs of each sampling row
+    # Flat rows whose token the previous step samples, and whose request it is.
+    pending_rows: list[int]
+    pending_ids: list[str]
 
 
 class ModelRunner:
@@ -62,16 +74,8 @@ class ModelRunner:
             head_dim=model_cfg.head_dim,
             dtype=cfg.dtype,
         )
-        torch.manual_seed(cfg.seed)
-        with build_on(self.device, self.dtype):
-            model = LlamaForCausalLM(model_cfg)
-        model.load_weights(iter_safetensors(checkpoint, show_progress=show_progress))
-        # Parameters already are in dtype; this casts the fp32 rope tables, as HF does.
-        self.model = model.to(self.dtype).eval()
         shape = self.layout.pool_shape(num_blocks)
-        if kv_pool is None:
-            kv_pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        if (
+        if kv_pool is not None and (
             tuple(kv_pool.shape) != shape
             or kv_pool.dtype != self.dtype
             or kv_pool.device != self.device
@@ -80,41 +84,117 @@ class ModelRunner:
                 f"kv_pool has shape {tuple(kv_pool.shape)} {kv_pool.dtype} on {kv_pool.device}; "
                 f"expected {shape} {self.dtype} on {self.device}"
             )
-        self.kv_cache = kv_pool
-        self.sampler = Sampler(self.device, cfg.seed)
+        self.compute = ComputeThread(cfg.num_threads)
+        try:
+            self.model, self.kv_cache, self.sampler = self.compute.call(
+                self._load, checkpoint, shape, kv_pool, show_progress
+            )
+        except BaseException:
+            self.compute.shutdown()
+            raise
         self._last_sampled: dict[str, int] = {}
+        # Wall seconds inside the model forward (and logits): the busy fraction's numerator,
+        # the same whichever loop drives the runner.
         self.busy_seconds = 0.0
+        # And around it: building the input tensors, sampling.
+        self.prepare_seconds = 0.0
+        self.sample_seconds = 0.0
         self.num_steps = 0
+
+    def _load(
+        self,
+        checkpoint: Path,
+        shape: tuple[int, ...],
+        kv_pool: torch.Tensor | None,
+        show_progress: bool,
+    ) -> tuple[LlamaForCausalLM, torch.Tensor, Sampler]:
+        """Model, KV pool and sampler, built on the compute thread."""
+        torch.manual_seed(self.cfg.seed)
+        with build_on(self.device, self.dtype):
+            model = LlamaForCausalLM(self.model_cfg)
+        model.load_weights(iter_safetensors(checkpoint, show_progress=show_progress))
+        # Parameters already are in dtype; this casts the fp32 rope tables, as HF does.
+        model = model.to(self.dtype).eval()
+        model.prepare_fast_path()
+        if kv_pool is None:
+            kv_pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        return model, kv_pool, Sampler(self.device, self.cfg.seed)
+
+    def close(self) -> None:
+        """End the compute thread once queued steps are done. Idempotent."""
+        self.compute.shutdown()
 
     # -- the step ---------------------------------------------------------------------
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> list[SampledToken | None]:
         """Run one step; returns a sampled token for each seq with ``sample=True``."""
+        return self.run(self.prepare(sched))
+
+    def run(self, step: PreparedStep) -> list[SampledToken | None]:
+        """Forward and sample a prepared step on the compute thread; waits for it."""
+        return self.compute.call(self._run, step)
+
+    def submit_run(
+        self, step: PreparedStep
+    ) -> concurrent.futures.Future[list[SampledToken | None]]:
+        """Queue ``run(step)`` on the compute thread behind the steps already queued."""
+        return self.compute.submit(self._run, step)
+
+    @torch.inference_mode()
+    def prepare(self, sched: SchedulerOutput) -> PreparedStep:
+        """The step's input tensors. Reads only ``sched``: safe while a step runs."""
         t0 = time.perf_counter()
-        batch = self._prepare(sched)
-        logits = self._forward(batch)
-        results: list[SampledToken | None] = [None] * len(sched.seqs)
+        step = self._prepare(sched)
+        self.prepare_seconds += time.perf_counter() - t0
+        return step
+
+    @torch.inference_mode()
+    def _run(self, step: PreparedStep) -> list[SampledToken | None]:
+        """Forward and sample; a token per seq with ``sample=True``. On the compute thread."""
+        self._fill_pending(step)
+        t0 = time.perf_counter()
+        logits = self._forward(step)
+        return self._sample(step.sched, step.sample_seq_idx, logits, t0)
+
+    def _sample(
+        self, sched: SchedulerOutput, sample_seq_idx: list[int], logits: torch.Tensor, t0: float
+    ) -> list[SampledToken | None]:
+        """Sample the step's rows from ``logits`` (its forward began at ``t0``)."""
+        t1 = time.perf_counter()
+        seqs = sched.seqs
+        results: list[SampledToken | None] = [None] * len(seqs)
         last: dict[str, int] = {}
-        if batch.sample_seq_idx:
-            rows = [self._sampling_row(sched.seqs[i]) for i in batch.sample_seq_idx]
-            for i, (tok, lp) in zip(batch.sample_seq_idx, self.sampler(logits, rows), strict=True):
+        if sample_seq_idx:
+            rows = [self._sampling_row(seqs[i]) for i in sample_seq_idx]
+            for i, (tok, lp) in zip(sample_seq_idx, self.sampler(logits, rows), strict=True):
                 results[i] = SampledToken(tok, lp)
-                last[sched.seqs[i].request.request_id] = tok
+                last[seqs[i].request.request_id] = tok
         self._last_sampled = last
-        self.busy_seconds += time.perf_counter() - t0
+        self.busy_seconds += t1 - t0
+        self.sample_seconds += time.perf_counter() - t1
         self.num_steps += 1
         return results
 
-    @torch.inference_mode()
     def forward_logits(self, sched: SchedulerOutput) -> torch.Tensor:
         """Float32 logits [num sampling seqs, vocab] of a step, without sampling.
 
         Writes the step's KV like ``execute`` does; used by parity tests.
         """
-        return self._forward(self._prepare(sched))
+        return self.compute.call(self._forward_logits, self.prepare(sched))
 
-    def _forward(self, batch: _Batch) -> torch.Tensor:
+    @torch.inference_mode()
+    def _forward_logits(self, step: PreparedStep) -> torch.Tensor:
+        self._fill_pending(step)
+        return self._forward(step)
+
+    def _fill_pending(self, step: PreparedStep) -> None:
+        if step.pending_rows:
+            last = self._last_sampled
+            step.input_ids[step.pending_rows] = torch.tensor(
+                [last[rid] for rid in step.pending_ids], dtype=torch.long, device=self.device
+            )
+
+    def _forward(self, batch: PreparedStep) -> torch.Tensor:
         with forward_context(ForwardContext(batch.meta, self.kv_cache)):
             hidden = self.model(batch.input_ids, batch.positions)
         if not batch.sample_seq_idx:
@@ -142,7 +222,7 @@ class ModelRunner:
             num_prompt_tokens=req.num_prompt_tokens,
         )
 
-    def _prepare(self, sched: SchedulerOutput) -> _Batch:
+    def _prepare(self, sched: SchedulerOutput) -> PreparedStep:
         bs = self.block_size
         seqs = sched.seqs
         decode = [i for i, s in enumerate(seqs) if s.num_new == 1]
@@ -151,11 +231,15 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         row_end: dict[int, int] = {}
+        pending_rows: list[int] = []
+        pending_ids: list[str] = []
         for i in decode:
             s = seqs[i]
             tok = s.input_ids[0]
             if tok == PENDING_TOKEN:
-                tok = self._last_sampled[s.request.request_id]
+                pending_rows.append(len(ids))
+                pending_ids.append(s.request.request_id)
+                tok = 0
             ids.append(tok)
             positions.append(s.start)
             slots.append(s.block_ids[s.start // bs] * bs + s.start % bs)
@@ -165,7 +249,9 @@ class ModelRunner:
             s = seqs[i]
             chunk = s.input_ids
             if chunk[-1] == PENDING_TOKEN:
-                chunk = chunk[:-1] + [self._last_sampled[s.request.request_id]]
+                pending_rows.append(len(ids) + len(chunk) - 1)
+                pending_ids.append(s.request.request_id)
+                chunk = chunk[:-1] + [0]
             q_start = len(ids)
             ids.extend(chunk)
             pos = range(s.start, s.start + s.num_new)
@@ -180,20 +266,21 @@ class ModelRunner:
                     block_ids=torch.tensor(s.block_ids, dtype=torch.long, device=self.device),
                 )
             )
-        tables = mask = None
+        tables = mask = lens = None
         if decode:
             width = max(len(seqs[i].block_ids) for i in decode)
             tables_list = [
                 seqs[i].block_ids + [0] * (width - len(seqs[i].block_ids)) for i in decode
             ]
             tables = torch.tensor(tables_list, dtype=torch.long, device=self.device)
-            ctx = torch.tensor([seqs[i].start + 1 for i in decode], device=self.device)
+            lens = torch.tensor([seqs[i].start + 1 for i in decode], device=self.device)
             cols = torch.arange(width * bs, device=self.device)
             mask = torch.zeros((len(decode), width * bs), dtype=torch.float32, device=self.device)
-            mask.masked_fill_(cols.unsqueeze(0) >= ctx.unsqueeze(1), float("-inf"))
+            mask.masked_fill_(cols.unsqueeze(0) >= lens.unsqueeze(1), float("-inf"))
         sample_idx = [i for i, s in enumerate(seqs) if s.sample]
         dev = self.device
-        return _Batch(
+        return PreparedStep(
+            sched=sched,
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
             meta=AttentionMetadata(
@@ -202,9 +289,12 @@ class ModelRunner:
                 decode_block_tables=tables,
                 decode_mask=mask,
                 prefills=prefills,
+                decode_context_lens=lens,
             ),
             sample_rows=torch.tensor(
                 [row_end[i] for i in sample_idx], dtype=torch.long, device=dev
             ),
             sample_seq_idx=sample_idx,
+            pending_rows=pending_rows,
+            pending_ids=pending_ids,
         )

@@ -365,18 +365,17 @@ class Scheduler:
         self, req: Request, num_new: int, scheduled: set[str], out: SchedulerOutput
     ) -> bool:
         """Give ``req`` the blocks for ``num_new`` more tokens, preempting the newest
-        running requests not yet in this step; False if ``req`` itself had to go."""
+        running requests not yet in this step; False if ``req`` itself had to go.
+
+        ``req`` is one of the candidates: when it is the newest, it goes itself rather than
+        take the blocks of a request that was admitted before it (vLLM's policy too).
+        """
         need = self._blocks_for(req.num_computed_tokens + num_new) - len(req.block_ids)
         while need > self.pool.num_free:
             victim = next(
-                (
-                    r
-                    for r in reversed(self.running)
-                    if r is not req and r.request_id not in scheduled
-                ),
-                None,
+                (r for r in reversed(self.running) if r.request_id not in scheduled), None
             )
-            if victim is None:
+            if victim is None or victim is req:
                 self.running.remove(req)
                 self._preempt(req, out)
                 return False

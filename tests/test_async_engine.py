@@ -170,3 +170,31 @@ async def test_reserve_when_pool_is_full_raises_resource_exhausted(engine: Async
     for i in range(2):
         engine.abort(f"big{i}")
     await _wait_all_free(engine)
+
+
+async def test_serial_mode_runs_the_loop_on_the_compute_thread_and_matches_sync(
+    tiny_llama: Path,
+) -> None:
+    core = make_core(tiny_llama, num_blocks=128)
+    eng = AsyncEngine(core, overlap=False)
+    seen: set[bool] = set()
+    schedule = core.scheduler.schedule
+
+    def recording_schedule():  # type: ignore[no-untyped-def]
+        seen.add(core.runner.compute.on_thread())
+        return schedule()
+
+    core.scheduler.schedule = recording_schedule  # type: ignore[method-assign]
+    await eng.start()
+    try:
+        prompts = [[200 + i] * (4 + 5 * i) for i in range(8)]
+        ref = make_core(tiny_llama).generate(prompts, GREEDY)
+        log: list[str] = []
+        results = await asyncio.gather(
+            *[_collect(eng, f"s{i}", p, GREEDY, log) for i, p in enumerate(prompts)]
+        )
+        assert results == ref
+        assert seen == {True}, "serial mode schedules on the compute thread"
+        await _wait_all_free(eng)
+    finally:
+        await eng.shutdown()

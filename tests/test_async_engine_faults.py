@@ -85,7 +85,7 @@ async def test_engine_death_ends_every_stream_and_reports_it(tiny_llama: Path) -
             started.set()
             raise MemoryError("forward failed (injected)")
 
-        engine.core.runner.execute = explode  # type: ignore[method-assign]
+        engine.core.runner._run = explode  # type: ignore[method-assign]
         streams = [
             asyncio.create_task(_drain(engine, f"r{i}", list(range(10 * i + 3, 10 * i + 30))))
             for i in range(4)
@@ -107,14 +107,14 @@ async def test_stats_answer_at_once_while_a_step_computes(tiny_llama: Path) -> N
     await engine.start()
     release = threading.Event()
     entered = threading.Event()
-    real_execute = engine.core.runner.execute
+    real_execute = engine.core.runner._run
 
     def slow(sched):  # noqa: ANN001, ANN202
         entered.set()
         release.wait(30)  # a long forward
         return real_execute(sched)
 
-    engine.core.runner.execute = slow  # type: ignore[method-assign]
+    engine.core.runner._run = slow  # type: ignore[method-assign]
     task = asyncio.create_task(_drain(engine, "long", list(range(300, 360))))
     try:
         assert await asyncio.to_thread(entered.wait, 10)

@@ -415,9 +415,9 @@ def test_fused_decode_layer_declines_what_it_does_not_serve() -> None:
     layer, cfg = _tiny_layer(torch.float32)
     attn = layer.self_attn
     cache = torch.zeros((2, 2, cfg.num_kv_heads, 4, 16, cfg.head_dim))
-    two_rows = torch.zeros((2, cfg.hidden_size))  # fp32 serves one row only
+    half_rows = torch.zeros((2, cfg.hidden_size), dtype=torch.float16)  # no fp16 kernels
     got = ops.decode_layer(
-        two_rows, torch.zeros(2, dtype=torch.long), cache, 0, torch.zeros(2, dtype=torch.long),
+        half_rows, torch.zeros(2, dtype=torch.long), cache, 0, torch.zeros(2, dtype=torch.long),
         torch.zeros((2, 1), dtype=torch.long), torch.ones(2, dtype=torch.long), attn.rope.cos,
         attn.rope.sin, layer.input_layernorm.weight, attn.qkv_proj.weight, None,
         attn.o_proj.weight, layer.post_attention_layernorm.weight,
@@ -425,3 +425,55 @@ def test_fused_decode_layer_declines_what_it_does_not_serve() -> None:
         cfg.rms_norm_eps, attn.attn.scale,
     )  # fmt: skip
     assert got is None
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    ("dtype", "rows"),
+    [(torch.bfloat16, 2), (torch.bfloat16, 9), (torch.float32, 1), (torch.float32, 9)],
+)
+def test_decoder_layer_fused_and_module_paths_are_bit_identical(
+    dtype: torch.dtype, rows: int
+) -> None:
+    """A decode-only step through ``DecoderLayer`` (one fused call, prepacked weights above
+    the GEMV rows) equals the same layer run module by module on the same fast ops."""
+    assert KERNELS is not None
+    if dtype == torch.bfloat16 and not KERNELS.bf16_dot:
+        pytest.skip("needs AVX512-BF16 build")
+    layer, cfg = _tiny_layer(dtype)
+    for mod in layer.modules():
+        if hasattr(mod, "prepack"):
+            mod.prepack()
+    block = 16
+    gen = torch.Generator().manual_seed(rows)
+    lens = [random.Random(rows * 7 + i).randint(1, 60) for i in range(rows)]
+    nblocks = [(n + block - 1) // block for n in lens]
+    ids = list(range(1, sum(nblocks) + 1))
+    random.Random(rows).shuffle(ids)
+    it = iter(ids)
+    tables = [[next(it) for _ in range(n)] for n in nblocks]
+    width = max(nblocks)
+    cache = torch.randn(
+        (2, 2, cfg.num_kv_heads, len(ids) + 1, block, cfg.head_dim), generator=gen
+    ).to(dtype)
+    hidden = torch.randn((rows, cfg.hidden_size), generator=gen).to(dtype)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([t[(n - 1) // block] * block + (n - 1) % block
+                                   for t, n in zip(tables, lens, strict=True)]),
+        num_decode=rows,
+        decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        decode_mask=None,
+        prefills=[],
+        decode_context_lens=torch.tensor(lens),
+    )  # fmt: skip
+    positions = torch.tensor(lens) - 1
+    with torch.inference_mode():
+        fused_cache = cache.clone()
+        with forward_context(ForwardContext(meta, fused_cache)):
+            fused = layer(positions, hidden)
+        layer.use_kernel = False  # module by module, same ops
+        module_cache = cache.clone()
+        with forward_context(ForwardContext(meta, module_cache)):
+            modules = layer(positions, hidden)
+    assert torch.equal(fused, modules)
+    assert torch.equal(fused_cache, module_cache)

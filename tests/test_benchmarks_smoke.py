@@ -1,8 +1,9 @@
 """Smoke test of the W1 harness: every engine's child process and the report format.
 
-Runs baton (sync and async) and the HF peer on two tiny requests with a tiny random model,
-with vLLM pointed at a missing interpreter so its skip path is taken. It proves the code
-path and the shape of the tables and JSON; it asserts nothing about speed.
+Runs baton (sync and async) and the HF peer twice each, interleaved, on two tiny requests
+with a tiny random model, with vLLM pointed at a missing interpreter so its skip path is
+taken. It proves the code path, the shape of the tables and JSON, the provenance and
+load records and the busy-machine rule; it asserts nothing about speed.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks import common, w1_offline
+from benchmarks import common, w1_offline, w1_report
 from tests.factories import make_tiny_model_dir
 
 
@@ -28,28 +29,56 @@ def test_harness_runs_all_engines_and_writes_tables(tmp_path: Path) -> None:
     model = make_tiny_model_dir(tmp_path / "model")
     workload = _tiny_workload(tmp_path / "w.json")
     results_dir = tmp_path / "results"
-    md = w1_offline.main([
-        "--model", str(model), "--workload", str(workload), "--dtypes", "float32",
-        "--threads", "1", "--kv-gib", "0.01", "--max-model-len", "128",
-        "--hf-batch-size", "2", "--single-prompt-len", "16", "--single-new-tokens", "4",
-        "--memcpy-mib", "4", "--vllm-python", str(tmp_path / "no-vllm" / "python"),
-        "--results-dir", str(results_dir),
-    ])
+    md = w1_offline.main(
+        [
+            "--model",
+            str(model),
+            "--workload",
+            str(workload),
+            "--dtypes",
+            "float32",
+            "--threads",
+            "1",
+            "--kv-gib",
+            "0.01",
+            "--max-model-len",
+            "128",
+            "--hf-batch-size",
+            "2",
+            "--single-prompt-len",
+            "16",
+            "--single-new-tokens",
+            "4",
+            "--memcpy-mib",
+            "4",
+            "--vllm-python",
+            str(tmp_path / "no-vllm" / "python"),
+            "--results-dir",
+            str(results_dir),
+            "--runs",
+            "2",
+        ]
+    )
 
     text = md.read_text()
     assert md.parent == results_dir and md.name.startswith("w1_")
-    assert "| " + " | ".join(common.RUN_HEADERS) + " |" in text
-    assert "| " + " | ".join(common.SINGLE_HEADERS) + " |" in text
+    assert "| " + " | ".join(w1_report.RUN_HEADERS) + " |" in text
+    assert "| " + " | ".join(w1_report.SINGLE_HEADERS) + " |" in text
     assert "vLLM-CPU skipped: no interpreter" in text
-    assert "float32: baton sync and async output ids are identical." in text
+    assert "float32: baton output ids are identical across modes and runs." in text
+    assert "git revision:" in text and "Load average" in text and "Machine:" in text
 
     raw = json.loads(md.with_suffix(".json").read_text())
+    assert raw["git_revision"] and raw["machine"]
+    order = [(r["engine"], r["mode"]) for r in raw["results"]]
+    assert order == [("baton", "sync"), ("baton", "async"), ("hf", "static batch 2")] * 2
     runs = {(r["engine"], r["mode"]): r for r in raw["results"]}
-    assert set(runs) == {("baton", "sync"), ("baton", "async"), ("hf", "static batch 2")}
-    for r in runs.values():
+    for r in raw["results"]:
         assert r["num_requests"] == 2
         assert r["prompt_tokens"] == 29 and r["output_tokens"] == 8
         assert r["wall_s"] > 0 and r["peak_rss_bytes"] > 0
+        assert r["load_before"] is not None and r["load_after"] is not None
+        assert 0 <= r["other_cpu_share"] <= 1
     # HF pads the batch to its longest member: 2 rows x 5 tokens, of which 8 count.
     assert runs[("hf", "static batch 2")]["generated_tokens"] == 10
     assert runs[("baton", "sync")]["generated_tokens"] == 8
@@ -62,13 +91,52 @@ def test_harness_runs_all_engines_and_writes_tables(tmp_path: Path) -> None:
 def test_run_table_ratios_compare_baton_with_peers_at_the_same_dtype() -> None:
     def result(engine: str, dtype: str, wall: float) -> common.RunResult:
         return common.RunResult(
-            engine=engine, mode="m", dtype=dtype, num_requests=1, prompt_tokens=10,
-            output_tokens=100, wall_s=wall,
+            engine=engine,
+            mode="m",
+            dtype=dtype,
+            num_requests=1,
+            prompt_tokens=10,
+            output_tokens=100,
+            wall_s=wall,
         )
 
-    table = common.run_table([
-        result("baton", "bfloat16", 1.0), result("hf", "bfloat16", 4.0),
-        result("vllm", "bfloat16", 0.5), result("hf", "float32", 1.0),
-    ])
+    runs = [
+        result("baton", "bfloat16", 1.0),
+        result("hf", "bfloat16", 4.0),
+        result("vllm", "bfloat16", 0.5),
+        result("hf", "float32", 1.0),
+    ]
+    for r in runs:
+        r.other_cpu_share = 0.01  # a quiet machine
+    table = w1_report.run_table(w1_report.summarize(runs))
     baton_row = table.splitlines()[2].split(" | ")
     assert baton_row[-2:] == ["4.00", "0.50 |"]
+
+
+def test_ratios_are_withheld_from_a_busy_machine_unless_asked() -> None:
+    def result(engine: str, wall: float, share: float) -> common.RunResult:
+        return common.RunResult(
+            engine=engine,
+            mode="m",
+            dtype="bfloat16",
+            num_requests=1,
+            prompt_tokens=10,
+            output_tokens=100,
+            wall_s=wall,
+            other_cpu_share=share,
+        )
+
+    runs = [
+        result("baton", 1.0, 0.01),
+        result("baton", 3.0, 0.01),
+        result("baton", 2.0, 0.3),
+        result("vllm", 2.0, 0.02),
+    ]
+    summaries = w1_report.summarize(runs)
+    (baton, vllm) = summaries
+    assert baton.output_tok_s == 50.0 and baton.spread == (100 / 3, 100.0)
+    assert w1_report.machine_was_busy(summaries)
+    assert w1_report.ratio_cell(baton, vllm, allow_busy=False) == "busy"
+    assert w1_report.ratio_cell(baton, vllm, allow_busy=True) == "1.00*"
+    text = w1_report.render_report(["# t"], summaries, [], [], allow_busy=False)
+    assert "**The machine was busy**" in text and "| busy |" in text

@@ -66,13 +66,13 @@ class Rig:
 @pytest_asyncio.fixture
 async def rig(tiny_llama: Path) -> AsyncIterator[Rig]:
     core = await asyncio.to_thread(make_core, tiny_llama, num_blocks=32, max_num_batched_tokens=16)
-    real = core.runner.execute
+    real = core.runner._run
 
     def slow(sched):  # noqa: ANN001, ANN202
         time.sleep(STEP_S)
         return real(sched)
 
-    core.runner.execute = slow  # type: ignore[method-assign]
+    core.runner._run = slow  # type: ignore[method-assign]
     engine = AsyncEngine(core)
     await engine.start()
     loop = asyncio.get_running_loop()
@@ -109,14 +109,14 @@ async def test_a_long_prefill_beats_then_hands_off(rig: Rig) -> None:
 async def test_no_beat_when_nothing_moves(rig: Rig) -> None:
     """A beat says the worker made progress: an engine stuck in one forward sends none."""
     stuck, go = threading.Event(), threading.Event()
-    real = rig.engine.core.runner.execute
+    real = rig.engine.core.runner._run
 
     def hang(sched):  # noqa: ANN001, ANN202
         stuck.set()
         go.wait(30)
         return real(sched)
 
-    rig.engine.core.runner.execute = hang  # type: ignore[method-assign]
+    rig.engine.core.runner._run = hang  # type: ignore[method-assign]
     events = rig.handoff().run(rig.order("p2"), _acks(Ack(True)), None)
     seen: list[object] = []
 
@@ -130,7 +130,7 @@ async def test_no_beat_when_nothing_moves(rig: Rig) -> None:
         await asyncio.sleep(10 * STEP_S)  # twenty beat periods
         assert [e for e in seen if isinstance(e, Progress)] == []
     finally:
-        rig.engine.core.runner.execute = real  # type: ignore[method-assign]
+        rig.engine.core.runner._run = real  # type: ignore[method-assign]
         go.set()
         await asyncio.wait_for(task, 20)
     await rig.settle()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 import subprocess
@@ -206,6 +207,39 @@ async def test_health_goes_serving_only_after_ready() -> None:
             worker_pb2.StatsRequest(), timeout=CALL_TIMEOUT
         )
         assert stats.incarnation_id == "toy"
+
+
+async def test_a_fatal_fault_turns_health_not_serving_and_refuses_calls() -> None:
+    """A worker whose engine died reports NOT_SERVING (a liveness probe restarts it) and
+    refuses new calls with UNAVAILABLE naming the reason."""
+    fatal: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+    async def wait_fatal() -> str:
+        return await fatal
+
+    decode, prefill = ToyDecode(), ToyPrefill()
+    spec = dataclasses.replace(toy_spec(decode, prefill), fatal=wait_fatal)
+    server = RpcServer(spec)
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    try:
+        await server.wait_ready()
+        assert await health_status(channel) == health_pb2.HealthCheckResponse.SERVING
+        fatal.set_result("engine thread died: MemoryError()")
+
+        async def not_serving() -> bool:
+            return (
+                await health_status(channel, DECODE) == health_pb2.HealthCheckResponse.NOT_SERVING
+            )
+
+        await eventually(not_serving)
+        assert await health_status(channel) == health_pb2.HealthCheckResponse.NOT_SERVING
+        err = await stats_error(channel)
+        assert err.code() is grpc.StatusCode.UNAVAILABLE
+        assert "engine thread died" in err.details()
+    finally:
+        await channel.close()
+        await server.stop()
 
 
 async def test_failed_readiness_stops_serve() -> None:

@@ -10,8 +10,11 @@
 
 // The kernels live in csrc/*.h, one translation unit so the build stays one compile.
 
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/linear.h>
+
+#include <string>
 
 #include "csrc/attention.h"
 #include "csrc/linear.h"
@@ -20,31 +23,59 @@
 
 namespace baton_kernels {
 
-// ---- one decoder layer for a few decode rows ------------------------------------------
+// ---- one decoder layer for the decode rows of a step ----------------------------------
 
-// A Llama-family decoder layer (pre-norm attention and SiLU MLP, residuals) over M decode
-// rows, as the ops in csrc/ compose it, in one call: at batch 1 the per-op dispatch of the
-// Python layer costs about as much as the attention itself. Weights are HF-packed:
-// qkv_w [(H + 2 Hkv) D, C], o_w [C, H D], gate_up_w [2 I, C], down_w [C, I]. bf16 uses
-// the GEMV kernel (M <= 4 expected), float32 uses at::linear.
-at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
-  if (x.scalar_type() == at::kBFloat16) return linear_bf16(x, w, bias);
+// Rows up to which the bf16 GEMV kernel beats oneDNN (engine/kernels/ops.py GEMV_MAX_ROWS).
+constexpr int64_t kGemvMaxRows = 4;
+
+// y = x W^T (+ b) with a weight that torch.ops.mkldnn._reorder_linear_weight prepacked,
+// through the dispatcher (the op lives in libtorch_cpu's mkldnn library).
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  std::vector<c10::IValue> stack{x,
+                                 packed,
+                                 bias.has_value() ? c10::IValue(*bias) : c10::IValue(),
+                                 c10::IValue(std::string("none")),
+                                 c10::IValue(c10::List<std::optional<at::Scalar>>()),
+                                 c10::IValue()};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+// The linear layer the Python path (engine.kernels.ops.linear) would run for these rows:
+// the bf16 GEMV up to kGemvMaxRows rows, else the prepacked weight when there is one
+// (not for a single fp32 row, where MKL's GEMV is at the bandwidth), else at::linear.
+at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& packed,
+                        const std::optional<at::Tensor>& bias) {
+  const int64_t M = x.size(0);
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  if (bf16 && M <= kGemvMaxRows && kHasBf16Dot) return linear_bf16(x, w, bias);
+  if (packed.has_value() && packed->defined() && packed->scalar_type() == x.scalar_type() && (bf16 || M > 1))
+    return packed_linear(x, *packed, bias);
   return at::linear(x, w, bias);
 }
 
+// A Llama-family decoder layer (pre-norm attention and SiLU MLP, residuals) over the M
+// decode rows of a decode-only step, as the ops in csrc/ compose it, in one call: the
+// per-op dispatch of the Python layer costs about as much as the attention itself, and the
+// whole layer runs without the GIL. Weights are HF-packed: qkv_w [(H + 2 Hkv) D, C],
+// o_w [C, H D], gate_up_w [2 I, C], down_w [C, I]; *_p are their oneDNN-prepacked copies
+// (or None). Each linear layer is the one ``layer_linear`` picks for M rows.
 at::Tensor decode_layer(const at::Tensor& hidden, const at::Tensor& positions, at::Tensor& kv_cache, int64_t layer,
                         const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                         const at::Tensor& context_lens, const at::Tensor& cos, const at::Tensor& sin,
                         const at::Tensor& in_norm_w, const at::Tensor& qkv_w, const std::optional<at::Tensor>& qkv_b,
                         const at::Tensor& o_w, const at::Tensor& post_norm_w, const at::Tensor& gate_up_w,
-                        const at::Tensor& down_w, int64_t num_heads, double eps, double scale,
+                        const at::Tensor& down_w, const std::optional<at::Tensor>& qkv_p,
+                        const std::optional<at::Tensor>& o_p, const std::optional<at::Tensor>& gate_up_p,
+                        const std::optional<at::Tensor>& down_p, int64_t num_heads, double eps, double scale,
                         int64_t window) {
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "decode_layer: hidden must be contiguous [M, C]");
   const int64_t M = hidden.size(0);
   const int64_t Hkv = kv_cache.size(2), D = kv_cache.size(5), H = num_heads;
   TORCH_CHECK(qkv_w.size(0) == (H + 2 * Hkv) * D, "decode_layer: qkv_w rows != (heads + 2 kv_heads) * head_dim");
   const at::Tensor x = rms_norm(hidden, in_norm_w, eps);
-  const at::Tensor qkv = small_linear(x, qkv_w, qkv_b);
+  const at::Tensor qkv = layer_linear(x, qkv_w, qkv_p, qkv_b);
   const at::Tensor q = qkv.narrow(1, 0, H * D).view({M, H, D});
   const at::Tensor k = qkv.narrow(1, H * D, Hkv * D).view({M, Hkv, D});
   const at::Tensor v = qkv.narrow(1, (H + Hkv) * D, Hkv * D).view({M, Hkv, D});
@@ -52,10 +83,10 @@ at::Tensor decode_layer(const at::Tensor& hidden, const at::Tensor& positions, a
   write_kv(kv_cache, layer, kr, v, slot_mapping);
   at::Tensor attn = at::empty({M, H, D}, hidden.options());
   decode_attention(attn, qr, kv_cache, layer, block_tables, context_lens, scale, window);
-  const at::Tensor h1 = at::add(hidden, small_linear(attn.view({M, H * D}), o_w, std::nullopt));
+  const at::Tensor h1 = at::add(hidden, layer_linear(attn.view({M, H * D}), o_w, o_p, std::nullopt));
   const at::Tensor x2 = rms_norm(h1, post_norm_w, eps);
-  const at::Tensor act = silu_and_mul(small_linear(x2, gate_up_w, std::nullopt));
-  return at::add(h1, small_linear(act, down_w, std::nullopt));
+  const at::Tensor act = silu_and_mul(layer_linear(x2, gate_up_w, gate_up_p, std::nullopt));
+  return at::add(h1, layer_linear(act, down_w, down_p, std::nullopt));
 }
 
 }  // namespace baton_kernels
@@ -74,8 +105,8 @@ TORCH_LIBRARY(baton_cpu, m) {
   m.def(
       "decode_layer(Tensor hidden, Tensor positions, Tensor(a!) kv_cache, int layer, Tensor slot_mapping, "
       "Tensor block_tables, Tensor context_lens, Tensor cos, Tensor sin, Tensor in_norm_w, Tensor qkv_w, "
-      "Tensor? qkv_b, Tensor o_w, Tensor post_norm_w, Tensor gate_up_w, Tensor down_w, int num_heads, "
-      "float eps, float scale, int window=0) -> Tensor");
+      "Tensor? qkv_b, Tensor o_w, Tensor post_norm_w, Tensor gate_up_w, Tensor down_w, Tensor? qkv_p, "
+      "Tensor? o_p, Tensor? gate_up_p, Tensor? down_p, int num_heads, float eps, float scale, int window=0) -> Tensor");
   m.def("has_bf16_dot() -> bool", &has_bf16_dot);
 }
 
@@ -88,3 +119,7 @@ TORCH_LIBRARY_IMPL(baton_cpu, CPU, m) {
   m.impl("linear_bf16", &linear_bf16);
   m.impl("decode_layer", &decode_layer);
 }
+
+// The prepacked weights decode_layer may take are MkldnnCPU tensors, which make the
+// dispatcher look for that backend's kernel: it is the same function.
+TORCH_LIBRARY_IMPL(baton_cpu, MkldnnCPU, m) { m.impl("decode_layer", &decode_layer); }

@@ -20,20 +20,30 @@ logger = logging.getLogger(__name__)
 # Rows up to which the bf16 GEMV kernel beats oneDNN's matmul (measured on AVX512-BF16:
 # 1.9x at one row, 1.6x at four, even at eight, behind from twelve).
 GEMV_MAX_ROWS = 4
+# Rows from which a bf16 linear layer runs faster as an fp32 GEMM on widened operands:
+# this CPU's bf16 GEMM (AVX512-BF16, no AMX) computes slower than its fp32 one, which
+# wins once the GEMM is compute-bound (1.34x CPU time on a 512-token prefill chunk of
+# SmolLM2-135M) but loses while reading the twice-as-large weight dominates (even at 64
+# rows, behind below; ``benchmarks/decode_step.py``-style runs, one thread).
+WIDE_MIN_ROWS = 128
 _ACT_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
+def pack_linear_weight(weight: torch.Tensor, wide: bool = False) -> torch.Tensor | None:
     """A oneDNN-prepacked copy of a CPU linear weight [N, K], or None where unsupported.
 
     The packed copy spares oneDNN reordering the weight on every call: 1.4-1.6x on
     bf16 matmuls of 4 to 256 rows, bit-identical results. It costs a second copy of
-    the weight in memory.
+    the weight in memory. ``wide`` packs a bf16 weight widened to fp32 instead (twice
+    its size), for ``linear`` to run bf16 batches of ``WIDE_MIN_ROWS`` rows or more as
+    fp32 GEMMs.
     """
     if weight.device.type != "cpu" or weight.dtype not in _ACT_DTYPES or weight.dim() != 2:
         return None
     if not torch.backends.mkldnn.is_available():
         return None
+    if wide and weight.dtype == torch.bfloat16:
+        weight = weight.float()
     if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return None
     try:
@@ -48,12 +58,15 @@ def linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     packed: torch.Tensor | None = None,
+    packed_wide: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``; ``packed`` is ``pack_linear_weight(weight)`` or None.
+    """``F.linear(x, weight, bias)``; ``packed`` is ``pack_linear_weight(weight)`` or None,
+    ``packed_wide`` is ``pack_linear_weight(weight, wide=True)`` or None.
 
     bf16 CPU batches of up to ``GEMV_MAX_ROWS`` rows run the AVX512-BF16 GEMV kernel, which
-    streams the weight at nearly the memory bandwidth (oneDNN: about half of it). Larger
-    batches (and fp32 from two rows) use the prepacked weight when there is one.
+    streams the weight at nearly the memory bandwidth (oneDNN: about half of it). bf16
+    batches of ``WIDE_MIN_ROWS`` rows or more run on the widened weight as fp32 GEMMs.
+    Other batches (and fp32 from two rows) use the prepacked weight when there is one.
     """
     if x.dim() == 2 and x.is_cpu:
         rows = x.shape[0]
@@ -69,6 +82,17 @@ def linear(
             kernels = cpu_kernels()
             if kernels is not None and kernels.bf16_dot:
                 return kernels.ops.linear_bf16(x, weight, bias)
+        if (
+            packed_wide is not None
+            and rows >= WIDE_MIN_ROWS
+            and x.dtype == torch.bfloat16
+            and packed_wide.dtype == torch.float32
+        ):
+            # Widening bf16 is exact, so the fp32 GEMM forms the same products as a bf16
+            # one and sums them in fp32 too; only the summation order differs.
+            b = None if bias is None else bias.float()
+            wide = torch.ops.mkldnn._linear_pointwise(x.float(), packed_wide, b, "none", [], "")
+            return wide.to(torch.bfloat16)
         # fp32 single rows: MKL's GEMV is already at the memory bandwidth.
         single_fp32 = rows == 1 and x.dtype == torch.float32
         if packed is not None and x.dtype == packed.dtype and not single_fp32:
@@ -106,24 +130,24 @@ def decode_layer(
     num_heads: int,
     eps: float,
     scale: float,
+    packed: tuple[torch.Tensor | None, ...] = (None, None, None, None),
     window: int = 0,
 ) -> torch.Tensor | None:
-    """A whole Llama decoder layer over a few decode rows in one kernel call, or None.
+    """A whole Llama decoder layer over the decode rows of a step in one call, or None.
 
     Computes ``h = hidden + o(attn(rope(qkv(norm(hidden))))); h + down(silu_mul(gate_up(
-    norm2(h))))`` exactly as the separate kernels do (``window``: the layer's sliding
-    window, 0 for full attention) (bit-identical to them), writing the
-    rows' K/V like the attention layer. Only for decode-only batches of at most
-    ``GEMV_MAX_ROWS`` bf16 rows (one fp32 row), where per-op dispatch costs as much as
-    the attention itself; returns None anywhere else, and the caller runs its modules.
+    norm2(h))))`` with the same kernels the modules run (bit-identical to them; ``window``: the
+    layer's sliding window, 0 for full attention), writing
+    the rows' K/V like the attention layer. ``packed`` holds the prepacked copies of
+    (qkv, o, gate_up, down) from ``pack_linear_weight`` (or None each); each linear layer
+    picks what ``linear`` would pick for that many rows. For decode-only batches, where
+    per-op dispatch from Python costs as much as the attention at small batches and the
+    whole layer runs without the GIL. Returns None where it does not apply (not CPU,
+    another dtype, shapes the kernels don't serve), and the caller runs its modules.
     """
-    rows = hidden.shape[0]
     if not (hidden.is_cpu and hidden.dim() == 2 and hidden.is_contiguous()):
         return None
-    if hidden.dtype == torch.bfloat16:
-        if rows > GEMV_MAX_ROWS:
-            return None
-    elif hidden.dtype != torch.float32 or rows != 1:
+    if hidden.dtype not in _ACT_DTYPES or hidden.shape[0] == 0:
         return None
     kernels = cpu_kernels()
     if kernels is None or (hidden.dtype == torch.bfloat16 and not kernels.bf16_dot):
@@ -141,10 +165,11 @@ def decode_layer(
         or head_dim > 256
         or num_heads // kv_cache.shape[2] > 16
         or any(w.shape[1] % 32 for w in (qkv_w, o_w, gate_up_w, down_w))
+        or len(packed) != 4
     ):
         return None
     return kernels.ops.decode_layer(
         hidden, positions, kv_cache, layer, slot_mapping, block_tables, context_lens,
-        cos, sin, in_norm_w, qkv_w, qkv_b, o_w, post_norm_w, gate_up_w, down_w,
+        cos, sin, in_norm_w, qkv_w, qkv_b, o_w, post_norm_w, gate_up_w, down_w, *packed,
         num_heads, eps, scale, window,
     )  # fmt: skip

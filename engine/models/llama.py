@@ -3,6 +3,14 @@
 Parameter names follow HF, except that q/k/v and gate/up projections are packed into one
 matmul each; ``packed_modules`` maps HF names onto the packed parameters and each packed
 parameter's ``weight_loader`` writes its shard.
+
+On CPU the model runs the fast paths of ``engine.kernels.ops`` (measured in
+``benchmarks/decode_step.py``): linear layers through the bf16 GEMV kernel for a few rows
+and oneDNN-prepacked weights above (``prepare_fast_path`` packs them once the weights are
+final), SiLU-and-multiply in one op, and, for decode-only steps, each decoder layer as one
+compiled call (``ops.decode_layer``). Every module keeps its plain-torch twin behind a
+``use_kernel`` attribute: ``set_fast_path(False)`` runs the model on the twins alone,
+which is what parity tests compare the fast path against.
 """
 
 from __future__ import annotations
@@ -14,7 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.layers.attention import PagedAttention
+from engine.forward_context import get_forward_context
+from engine.kernels import ops
+from engine.layers.attention import PagedAttention, decode_context_lens
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 
@@ -29,6 +39,36 @@ def _sharded_loader(offsets: dict[str, tuple[int, int]]) -> Callable:
     return load
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` that takes ``ops.linear``'s fast path on CPU (``use_kernel``).
+
+    ``prepack`` keeps a oneDNN-prepacked copy of the weight (a second copy in memory) and,
+    for a bf16 layer that sees large batches (``wide``: prefill chunks), an fp32 copy
+    too (a third, twice the size); call it again whenever the weight's values or dtype
+    change. A stale or missing copy is never used for another dtype: ``ops.linear`` then
+    runs ``F.linear``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True):
+        super().__init__(in_features, out_features, bias=bias)
+        self.use_kernel = True
+        # False for layers that only ever see a few rows (the LM head: sampled rows).
+        self.wide = True
+        self.packed: torch.Tensor | None = None
+        self.packed_wide: torch.Tensor | None = None
+
+    def prepack(self) -> None:
+        fast = self.use_kernel
+        self.packed = ops.pack_linear_weight(self.weight) if fast else None
+        wide = fast and self.wide and self.weight.dtype == torch.bfloat16
+        self.packed_wide = ops.pack_linear_weight(self.weight, wide=True) if wide else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_kernel:
+            return ops.linear(x, self.weight, self.bias, self.packed, self.packed_wide)
+        return F.linear(x, self.weight, self.bias)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, rope: RotaryEmbedding):
         super().__init__()
@@ -38,12 +78,12 @@ class Attention(nn.Module):
         q_size = cfg.num_heads * cfg.head_dim
         kv_size = cfg.num_kv_heads * cfg.head_dim
         self.q_size, self.kv_size = q_size, kv_size
-        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
         offsets = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}
         self.qkv_proj.weight.weight_loader = _sharded_loader(offsets)  # type: ignore[attr-defined]
         if cfg.attention_bias:
             self.qkv_proj.bias.weight_loader = _sharded_loader(offsets)  # type: ignore[attr-defined]
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        self.o_proj = Linear(q_size, cfg.hidden_size, bias=False)
         self.rope = rope
         self.attn = PagedAttention(
             layer_idx,
@@ -68,14 +108,18 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         inter = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * inter, bias=False)
         self.gate_up_proj.weight.weight_loader = _sharded_loader(  # type: ignore[attr-defined]
             {"gate": (0, inter), "up": (inter, inter)}
         )
-        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)
+        self.down_proj = Linear(inter, cfg.hidden_size, bias=False)
+        self.use_kernel = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.use_kernel:
+            return self.down_proj(ops.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -86,10 +130,35 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.use_kernel = True
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        if self.use_kernel:
+            fused = self._fused_decode(positions, hidden)
+            if fused is not None:
+                return fused
         hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden))
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+    def _fused_decode(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The whole layer as one compiled call for a decode-only step, else None."""
+        attn, mlp = self.self_attn, self.mlp
+        ctx = get_forward_context()
+        meta = ctx.attn
+        if meta.prefills or meta.num_decode != hidden.shape[0] or not attn.attn.use_kernel:
+            return None
+        return ops.decode_layer(
+            hidden, positions, ctx.kv_cache, attn.attn.layer_idx, meta.slot_mapping,
+            meta.decode_block_tables, decode_context_lens(meta), attn.rope.cos, attn.rope.sin,
+            self.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias,
+            attn.o_proj.weight, self.post_attention_layernorm.weight, mlp.gate_up_proj.weight,
+            mlp.down_proj.weight, attn.num_heads, self.input_layernorm.eps, attn.attn.scale,
+            packed=(
+                attn.qkv_proj.packed, attn.o_proj.packed, mlp.gate_up_proj.packed,
+                mlp.down_proj.packed,
+            ),
+            window=attn.attn.sliding_window,
+        )  # fmt: skip
 
 
 class LlamaModel(nn.Module):
@@ -126,9 +195,14 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head.wide = False  # it only sees the sampled rows of a step
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # What each module chose for itself (kernel availability, shapes it serves).
+        self._fast_defaults = {
+            name: mod.use_kernel for name, mod in self.named_modules() if hasattr(mod, "use_kernel")
+        }
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Final hidden states [T, hidden] of every token of the flat batch."""
@@ -136,6 +210,21 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def set_fast_path(self, enabled: bool) -> None:
+        """Run every module on its fast path where one applies (True) or on the plain-torch
+        twins alone (False); packs or drops the prepacked weights to match."""
+        for name, mod in self.named_modules():
+            if name in self._fast_defaults:
+                mod.use_kernel = enabled and self._fast_defaults[name]
+        self.prepare_fast_path()
+
+    def prepare_fast_path(self) -> None:
+        """(Re)pack the linear weights for oneDNN. Call after the weights are loaded and
+        cast to their final dtype and device; a no-op for layers on their torch twin."""
+        for mod in self.modules():
+            if isinstance(mod, Linear):
+                mod.prepack()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors into the parameters; returns the HF names consumed.

@@ -1,0 +1,161 @@
+"""baton's side of W1: one engine run inside a child process of the W1 harness.
+
+``python -m benchmarks.baton_w1 --spec JSON --out PATH`` builds an ``EngineCore`` as the
+spec says, runs W1 through ``EngineCore.step()`` (``sync``) or ``AsyncEngine`` (``async``,
+all requests submitted at once), then, in sync mode, the single-stream figure, and writes
+a ``RunResult``. Model load and one warm-up request are never timed. The busy fraction is
+the runner's forward seconds (model and logits) over wall, the same probe in both modes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from benchmarks import common
+from benchmarks.common import RunResult, RunSpec, W1Request
+
+if TYPE_CHECKING:
+    from engine.engine_core import EngineCore
+    from engine.sampling_params import SamplingParams
+
+
+def _baton_core(spec: RunSpec) -> EngineCore:
+    # Imported here so that the harness process never loads torch for baton.
+    from engine.config import EngineConfig
+    from engine.engine_core import EngineCore
+
+    cfg = EngineConfig(
+        model=spec.model_dir,
+        dtype=spec.dtype,
+        kv_cache_bytes=int(spec.kv_cache_gib * 2**30),
+        max_model_len=spec.max_model_len,
+        num_threads=spec.threads,
+    )
+    return EngineCore(cfg, show_progress=False)
+
+
+def _params(max_tokens: int) -> SamplingParams:
+    from engine.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
+@dataclass(slots=True)
+class _Timed:
+    """One timed W1 pass: wall time, outputs, and the runner's work inside the window."""
+
+    wall_s: float
+    outputs: dict[str, list[int]]
+    busy_s: float
+    steps: int
+
+
+def _sync_w1(core: EngineCore, requests: list[W1Request]) -> _Timed:
+    core.generate([common.warmup_prompt()], _params(common.WARMUP_NEW_TOKENS))
+    outputs: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    busy0, steps0 = core.runner.busy_seconds, core.runner.num_steps
+    t0 = time.perf_counter()
+    for r in requests:
+        core.add_request(core.make_request(r.request_id, r.prompt_token_ids, _params(r.output_len)))
+    while core.has_work():
+        for out in core.step():
+            outputs[out.request_id].extend(out.new_token_ids)
+    wall = time.perf_counter() - t0
+    return _Timed(wall, outputs, core.runner.busy_seconds - busy0, core.runner.num_steps - steps0)
+
+
+async def _async_w1(core: EngineCore, requests: list[W1Request]) -> _Timed:
+    from engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine(core)
+    await engine.start()
+
+    async def collect(rid: str, prompt: list[int], max_tokens: int) -> list[int]:
+        ids: list[int] = []
+        async for out in engine.generate(rid, prompt, _params(max_tokens)):
+            ids.extend(out.new_token_ids)
+        return ids
+
+    try:
+        # Warm up through the engine and runner threads: each new thread that calls into
+        # torch pays its own first-parallel-region cost.
+        await collect("warmup-async", common.warmup_prompt(), common.WARMUP_NEW_TOKENS)
+        # The engine thread is idle between requests, so these reads race nothing.
+        busy0, steps0 = core.runner.busy_seconds, core.runner.num_steps
+        t0 = time.perf_counter()
+        got = await asyncio.gather(
+            *(collect(r.request_id, r.prompt_token_ids, r.output_len) for r in requests)
+        )
+        wall = time.perf_counter() - t0
+        busy, steps = core.runner.busy_seconds - busy0, core.runner.num_steps - steps0
+    finally:
+        await engine.shutdown()
+    outputs = {r.request_id: ids for r, ids in zip(requests, got, strict=True)}
+    return _Timed(wall, outputs, busy, steps)
+
+
+def _single_stream(core: EngineCore, prompt_len: int, new_tokens: int) -> float:
+    """Decode tokens/s of one sequence, first token to last (the prefill is excluded)."""
+    prompt = common.fixed_prompt(common.SINGLE_STREAM_SEED, prompt_len)
+    core.add_request(core.make_request("single-stream", prompt, _params(new_tokens)))
+    times: list[float] = []
+    while core.has_work():
+        for out in core.step():
+            times.extend(time.perf_counter() for _ in out.new_token_ids)
+    if len(times) != new_tokens:
+        raise RuntimeError(f"single stream produced {len(times)} tokens, expected {new_tokens}")
+    return (new_tokens - 1) / (times[-1] - times[0])
+
+
+def run_baton(spec: RunSpec) -> RunResult:
+    requests = common.load_workload(Path(spec.workload), spec.limit)
+    core = _baton_core(spec)
+    if spec.mode == "sync":
+        timed = _sync_w1(core, requests)
+    elif spec.mode == "async":
+        timed = asyncio.run(_async_w1(core, requests))
+    else:
+        raise ValueError(f"baton mode must be 'sync' or 'async', got {spec.mode!r}")
+    common.check_output_lengths(requests, timed.outputs)
+    single = None
+    if spec.mode == "sync" and spec.single_new_tokens > 1:
+        single = _single_stream(core, spec.single_prompt_len, spec.single_new_tokens)
+    stats = core.stats()
+    return RunResult(
+        engine="baton",
+        mode=spec.mode,
+        dtype=spec.dtype,
+        num_requests=len(requests),
+        prompt_tokens=sum(len(r.prompt_token_ids) for r in requests),
+        output_tokens=sum(r.output_len for r in requests),
+        wall_s=timed.wall_s,
+        generated_tokens=sum(len(v) for v in timed.outputs.values()),
+        busy_fraction=timed.busy_s / timed.wall_s,
+        single_decode_tok_s=single,
+        self_peak_rss_bytes=common.self_peak_rss_bytes(),
+        outputs_digest=common.outputs_digest(timed.outputs),
+        extra={
+            "steps": timed.steps,
+            "busy_seconds": round(timed.busy_s, 3),
+            # The W1 requests are the only ones that can be preempted (the rest run alone).
+            "preemptions": stats.num_preemptions,
+            "kv_blocks": stats.num_total_blocks,
+        },
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--spec", required=True, help="a RunSpec as JSON")
+    parser.add_argument("--out", required=True, help="where to write the RunResult JSON")
+    args = parser.parse_args(argv)
+    common.write_result(args.out, run_baton(RunSpec.from_json(args.spec)))
+
+
+if __name__ == "__main__":
+    main()
