@@ -50,6 +50,9 @@ from tests.e2e_helpers import (
 from tests.engine_helpers import compare_greedy, hf_greedy, hf_model
 
 MAX_TOKENS = 24
+# The stream in flight while the gateway drains: long enough (a second or more of the
+# tiny model's steps) to outlast the refusal of a new call.
+LONG_TOKENS = 800
 PROMPTS = [prompt_ids(16 + 8 * i, f"scaling-{i}") for i in range(6)]
 CLIENTS = 4  # requests in flight at any moment
 EXIT_S = 60.0  # a draining worker's longest way out here (grace 30 s, plus start-up slack)
@@ -67,11 +70,11 @@ def cluster(tiny_llama: Path) -> Iterator[E2ECluster]:
         yield c
 
 
-def request(n: int) -> generate_pb2.GenerateRequest:
+def request(n: int, max_tokens: int = MAX_TOKENS) -> generate_pb2.GenerateRequest:
     return generate_pb2.GenerateRequest(
         token_ids=generate_pb2.TokenIds(ids=PROMPTS[n]),
         sampling_params=common_pb2.SamplingParameters(
-            max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True
+            max_tokens=max_tokens, temperature=0, ignore_eos=True
         ),
     )
 
@@ -106,10 +109,13 @@ class Traffic:
 
 
 def assert_all_correct(
-    outcomes: list[tuple[int, Outcome]], reference: list[tuple[list[int], object]], logs: str
+    outcomes: list[tuple[int, Outcome]],
+    reference: list[tuple[list[int], object]],
+    logs: str,
+    max_tokens: int = MAX_TOKENS,
 ) -> None:
     for n, outcome in outcomes:
-        assert_completed(outcome, MAX_TOKENS, logs)
+        assert_completed(outcome, max_tokens, logs)
         ours = [t for r in outcome.responses for t in r.token_ids]
         ref, ref_logits = reference[n]
         assert compare_greedy(ours, ref, ref_logits) in ("equal", "tie"), (
@@ -222,10 +228,14 @@ async def test_sigterm_drains_a_prefill_and_a_decode_worker_under_steady_traffic
             assert_clean_exit(prefill, await exit_code(prefill))
             assert drained_calls(prefill) >= 1
 
-            # Decode: SIGTERM with streams in flight; they finish.
+            # Decode: SIGTERM with streams in flight (two, so that one ending just then
+            # still leaves one); they finish.
             deadline = time.monotonic() + 30
-            while not (await worker_stats(decode.address, "decode")).num_running:
-                assert time.monotonic() < deadline, "the decode worker never ran a stream"
+            while True:
+                stats = await worker_stats(decode.address, "decode")
+                if stats.num_running + stats.num_waiting_for_kv >= 2:
+                    break
+                assert time.monotonic() < deadline, "the decode worker never ran two streams"
                 await asyncio.sleep(0.01)
             cluster.terminate(decode)
             added = [
@@ -249,15 +259,26 @@ async def test_sigterm_on_the_gateway_finishes_its_stream_and_exits(
     cluster: E2ECluster, reference: list
 ) -> None:
     (gateway,) = [p for p in cluster.procs if p.kind == "gateway"]
-    async with gateway_stub(cluster.gateway_address) as stub:
-        call = stub.Generate(request(0), timeout=60)
+    async with grpc.aio.insecure_channel(cluster.gateway_address) as channel:
+        stub = generate_pb2_grpc.BatonStub(channel)
+        call = stub.Generate(request(0, LONG_TOKENS), timeout=60)
         first = await call.read()
         assert first.token_ids
         gateway.popen.send_signal(signal.SIGTERM)
-        await asyncio.sleep(0.5)
+        checks = health_pb2_grpc.HealthStub(channel)
+        while (
+            await checks.Check(health_pb2.HealthCheckRequest(), timeout=5)
+        ).status == health_pb2.HealthCheckResponse.SERVING:
+            await asyncio.sleep(0.005)
         refused = await generate(stub, request(1), timeout=10)
         assert refused.code is grpc.StatusCode.UNAVAILABLE, refused
+        assert "shutting down" in refused.details, refused  # refused by the draining gateway
+        assert not call.done(), "the stream ended before the refusal; it proves nothing"
         rest = await collect(call)
     rest.responses.insert(0, first)
-    assert_all_correct([(0, rest)], reference, cluster.logs())
+    assert_completed(rest, LONG_TOKENS, cluster.logs())
+    # Its start is the short greedy continuation (HF over all of it would take long).
+    ours = [t for r in rest.responses for t in r.token_ids][:MAX_TOKENS]
+    ref, ref_logits = reference[0]
+    assert compare_greedy(ours, ref, ref_logits) in ("equal", "tie"), f"{ours} vs HF {ref}"
     assert_clean_exit(gateway, await exit_code(gateway))
