@@ -3,7 +3,8 @@
 One bidirectional ``Prefill`` stream per request; the hand-off itself (prefill into the
 decode worker's leased blocks, progress beats, transfer, ack) runs in
 ``prefill_service.handoff``. Stats come from the engine's published snapshot; if the
-engine thread dies the worker reports NOT_SERVING (``fatal``).
+engine thread dies the worker reports NOT_SERVING (``fatal``). The stream's
+``traceparent`` (decode's ``decode.wait_kv``) is the parent of the request's spans here.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 import grpc
+from opentelemetry import trace
 
 from engine.async_engine import AsyncEngine
 from engine.engine_core import EngineCore
@@ -27,6 +29,7 @@ from prefill_service.kv_outbox import KVOutbox
 from protos.baton.v1 import worker_pb2, worker_pb2_grpc
 from rpc.convert import worker_stats_to_proto
 from rpc.convert_handoff import ack_from_proto, prefill_event_to_proto, prefill_order_from_proto
+from rpc.tracing import context_from_metadata
 from rpc.worker_config import WorkerConfig
 
 logger = logging.getLogger(__name__)
@@ -36,11 +39,20 @@ SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     """``fleet_key``: the fleet's shared secret (read once in ``__main__``): orders must
-    carry its tag, and the rendezvous store and transfer reports carry ours."""
+    carry its tag, and the rendezvous store and transfer reports carry ours.
+    ``tracer_provider``: built in ``__main__`` (None: no spans)."""
 
-    def __init__(self, cfg: WorkerConfig, *, fleet_key: FleetKey | None = None):
+    def __init__(
+        self,
+        cfg: WorkerConfig,
+        *,
+        fleet_key: FleetKey | None = None,
+        tracer_provider: trace.TracerProvider | None = None,
+    ):
         assert cfg.role == "prefill"
         self.cfg = cfg
+        provider = tracer_provider or trace.NoOpTracerProvider()
+        self._tracer = provider.get_tracer("baton.prefill")
         self._fleet_key = fleet_key
         self.engine: AsyncEngine | None = None
         self.outbox: KVOutbox | None = None
@@ -65,7 +77,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         )
         limits = PrefillLimits(stall_s=self.cfg.transfer_timeout_s)
         self.handoff = PrefillHandoff(
-            self.engine, self.outbox, core.layout, limits, self._fleet_key
+            self.engine, self.outbox, core.layout, limits, self._fleet_key, self._tracer
         )
         logger.info("prefill worker ready (incarnation %s)", self._incarnation)
 
@@ -111,7 +123,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             await anext(incoming, None), self._engine().core.max_model_len
         )
         acks = _acks(incoming)
-        events = self.handoff.run(order, acks, context.time_remaining())
+        parent = context_from_metadata(context.invocation_metadata())
+        events = self.handoff.run(order, acks, context.time_remaining(), trace_context=parent)
         async with contextlib.aclosing(events):
             async for event in events:
                 yield prefill_event_to_proto(order.request_id, event)

@@ -95,6 +95,27 @@ def span(
         s.end()
 
 
+def record_span(
+    tracer: trace.Tracer,
+    name: str,
+    parent: Context | None,
+    start_ns: int,
+    end_ns: int,
+    *,
+    request_id: str | None = None,
+    error: BaseException | None = None,
+) -> trace.Span:
+    """A span for a phase measured elsewhere (e.g. by the engine thread), given its start
+    and end in ``time.time_ns()`` units; ``error`` sets status ERROR. Already ended."""
+    attributes = {REQUEST_ID: request_id} if request_id is not None else None
+    s = tracer.start_span(name, context=parent, attributes=attributes, start_time=start_ns)
+    if error is not None:
+        s.record_exception(error)
+        s.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+    s.end(end_time=max(start_ns, end_ns))
+    return s
+
+
 def child_context(s: trace.Span) -> Context:
     """A context whose current span is ``s``: the parent of spans started under it."""
     return trace.set_span_in_context(s)
