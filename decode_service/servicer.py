@@ -37,6 +37,7 @@ from engine.engine_core import EngineCore
 from engine.errors import UnavailableError
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.timeline import OFF, Timeline, TimelineRecorder
 from engine.transfer.base import TransferConfig
 from engine.transfer.fleet_auth import FleetKey
 from protos.baton.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -74,6 +75,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.cfg = cfg
         provider = tracer_provider or trace.NoOpTracerProvider()
         self._tracer = provider.get_tracer("baton.decode")
+        # The engine loop's and the KV receiver's spans, written on close (--timeline-file).
+        self.timeline: TimelineRecorder = (
+            Timeline("decode" if cfg.role == "decode" else "worker") if cfg.timeline_file else OFF
+        )
         self.inbox = None
         self._fleet_key = fleet_key
         if cfg.role == "decode":
@@ -85,6 +90,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 address,
                 TransferConfig(fleet_key=fleet_key),
                 device=cfg.engine.device,
+                timeline=self.timeline,
             )
         self.channels = ChannelCache(
             CHANNEL_OPTIONS + server_name_option(cfg.tls_server_name),
@@ -114,7 +120,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             EngineCore, self.cfg.engine, kv_pool_factory=factory, show_progress=False
         )
         await asyncio.to_thread(core.warm_up)
-        self.engine = AsyncEngine(core, on_death=self._engine_died)
+        self.engine = AsyncEngine(core, on_death=self._engine_died, timeline=self.timeline)
         await self.engine.start()
         if self.inbox is not None:
             self._incarnation = self.inbox.incarnation
@@ -139,6 +145,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if self.inbox is not None:
             await asyncio.to_thread(self.inbox.close)
         await self.channels.close()
+        if isinstance(self.timeline, Timeline) and self.cfg.timeline_file is not None:
+            await asyncio.to_thread(self.timeline.write, self.cfg.timeline_file)
+            logger.info("engine timeline written to %s", self.cfg.timeline_file)
 
     def _engine_died(self, exc: BaseException) -> None:
         logger.error("decode engine died: %r; reporting NOT_SERVING", exc)

@@ -16,7 +16,8 @@ batch (``stats``), so a caller never waits on a busy engine to learn that it is 
 Steps overlap: while step N computes on the runner thread, the engine thread applies
 step N-1's results and schedules step N+1 (tokens that N will sample are *pending* and
 the runner fills them in). The busy fraction is the share of wall time with a forward
-in flight.
+in flight. With a ``timeline`` (engine.timeline) the engine thread records its
+schedule / wait / update spans and the runner its prepare / forward / sample spans.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
 from engine.stats import EngineStats
+from engine.timeline import ENGINE, OFF, TimelineRecorder
 
 logger = logging.getLogger(__name__)
 
@@ -74,9 +76,15 @@ class _Command:
 
 class AsyncEngine:
     def __init__(
-        self, core: EngineCore, *, on_death: Callable[[BaseException], None] | None = None
+        self,
+        core: EngineCore,
+        *,
+        on_death: Callable[[BaseException], None] | None = None,
+        timeline: TimelineRecorder = OFF,
     ):
         self.core = core
+        self.timeline = timeline
+        core.runner.timeline = timeline  # the runner's spans go on the same timeline
         # Called on the event loop, once, if the engine thread dies.
         self.on_death = on_death
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
@@ -370,6 +378,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         core = self.core
+        tl = self.timeline
         inflight: tuple[SchedulerOutput, concurrent.futures.Future[Any]] | None = None
         try:
             while not self._stopping:
@@ -380,12 +389,16 @@ class AsyncEngine:
                 self._grant_reserved()
                 nxt = None
                 if core.has_work():
-                    sched = core.scheduler.schedule()
+                    with tl.span("schedule", ENGINE):
+                        sched = core.scheduler.schedule()
                     if not sched.empty:
                         nxt = (sched, self._runner_pool.submit(core.runner.execute, sched))
                 if inflight is not None:
                     sched, fut = inflight
-                    self._publish(core.update(sched, fut.result()))
+                    with tl.span("wait", ENGINE):
+                        sampled = fut.result()
+                    with tl.span("update", ENGINE):
+                        self._publish(core.update(sched, sampled))
                     self._grant_reserved()
                 inflight = nxt
                 self._publish_stats()

@@ -4,7 +4,9 @@ Owns the model weights, the KV pool tensor and the previous step's sampled ids. 
 sampling keeps no per-request state: each output position gets its own generator
 (``engine.sampler.position_generator``). ``execute`` is called on one thread at a
 time, in step order; it resolves tokens that were still pending when the step was
-scheduled from the previous step's samples.
+scheduled from the previous step's samples. ``timeline`` (engine.timeline; set by the
+``AsyncEngine`` that drives the runner, OFF otherwise) gets each step's prepare, forward
+and sample spans.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from engine.kv_layout import KVLayout
 from engine.models.llama import LlamaForCausalLM
 from engine.sampler import Sampler, SamplingRow, position_generator
 from engine.scheduler import PENDING_TOKEN, SampledToken, ScheduledSeq, SchedulerOutput
+from engine.timeline import OFF, RUNNER, TimelineRecorder
 from engine.weights import iter_safetensors
 
 logger = logging.getLogger(__name__)
@@ -40,6 +43,8 @@ class _Batch:
 
 
 class ModelRunner:
+    timeline: TimelineRecorder = OFF
+
     def __init__(
         self,
         cfg: EngineConfig,
@@ -92,13 +97,18 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> list[SampledToken | None]:
         """Run one step; returns a sampled token for each seq with ``sample=True``."""
         t0 = time.perf_counter()
-        batch = self._prepare(sched)
-        logits = self._forward(batch)
+        tl = self.timeline
+        with tl.span("prepare", RUNNER):
+            batch = self._prepare(sched)
+        with tl.span("forward", RUNNER, _step_args(sched) if tl.enabled else None):
+            logits = self._forward(batch)
         results: list[SampledToken | None] = [None] * len(sched.seqs)
         last: dict[str, int] = {}
         if batch.sample_seq_idx:
-            rows = [self._sampling_row(sched.seqs[i]) for i in batch.sample_seq_idx]
-            for i, (tok, lp) in zip(batch.sample_seq_idx, self.sampler(logits, rows), strict=True):
+            with tl.span("sample", RUNNER):
+                rows = [self._sampling_row(sched.seqs[i]) for i in batch.sample_seq_idx]
+                sampled = self.sampler(logits, rows)
+            for i, (tok, lp) in zip(batch.sample_seq_idx, sampled, strict=True):
                 results[i] = SampledToken(tok, lp)
                 last[sched.seqs[i].request.request_id] = tok
         self._last_sampled = last
@@ -208,3 +218,13 @@ class ModelRunner:
             ),
             sample_seq_idx=sample_idx,
         )
+
+
+def _step_args(sched: SchedulerOutput) -> dict[str, int]:
+    """What a forward span shows: the batch's shape."""
+    prefill = [s.num_new for s in sched.seqs if s.num_new > 1]
+    return {
+        "seqs": len(sched.seqs),
+        "decode_seqs": len(sched.seqs) - len(prefill),
+        "prefill_tokens": sum(prefill),
+    }

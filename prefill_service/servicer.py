@@ -21,6 +21,7 @@ from opentelemetry import trace
 from engine.async_engine import AsyncEngine
 from engine.engine_core import EngineCore
 from engine.errors import UnavailableError
+from engine.timeline import OFF, Timeline, TimelineRecorder
 from engine.transfer.base import TransferConfig
 from engine.transfer.fleet_auth import FleetKey
 from engine.transfer.handoff import Ack
@@ -53,6 +54,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.cfg = cfg
         provider = tracer_provider or trace.NoOpTracerProvider()
         self._tracer = provider.get_tracer("baton.prefill")
+        # The engine loop's and the KV sender's spans, written on close (--timeline-file).
+        self.timeline: TimelineRecorder = Timeline("prefill") if cfg.timeline_file else OFF
         self._fleet_key = fleet_key
         self.engine: AsyncEngine | None = None
         self.outbox: KVOutbox | None = None
@@ -66,7 +69,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self._fatal = loop.create_future()
         core = await asyncio.to_thread(EngineCore, self.cfg.engine, show_progress=False)
         await asyncio.to_thread(core.warm_up)
-        self.engine = AsyncEngine(core, on_death=self._engine_died)
+        self.engine = AsyncEngine(core, on_death=self._engine_died, timeline=self.timeline)
         await self.engine.start()
         self.outbox = KVOutbox(
             self.cfg.transport,
@@ -74,6 +77,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             core.layout,
             loop,
             TransferConfig(fleet_key=self._fleet_key),
+            timeline=self.timeline,
         )
         limits = PrefillLimits(stall_s=self.cfg.transfer_timeout_s)
         self.handoff = PrefillHandoff(
@@ -93,6 +97,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             await asyncio.to_thread(self.outbox.close)
         if self.engine is not None:
             await self.engine.shutdown()
+        if isinstance(self.timeline, Timeline) and self.cfg.timeline_file is not None:
+            await asyncio.to_thread(self.timeline.write, self.cfg.timeline_file)
+            logger.info("engine timeline written to %s", self.cfg.timeline_file)
 
     def _engine_died(self, exc: BaseException) -> None:
         logger.error("prefill engine died: %r; reporting NOT_SERVING", exc)

@@ -5,6 +5,8 @@ and the link's ``send``. Links are created, used and closed on the worker thread
 A link is dropped when a descriptor names another incarnation at its address, when its
 receiver is gone (``PeerLink.gone``), or after ``peer_idle_s`` without a job, so a dead
 or departed decode worker's mapping or process group never outlives it for long.
+Each job is a ``send`` span on the ``timeline``'s ``kv send`` track (engine.timeline;
+OFF unless the owner sets one before the first job).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from engine.errors import (
     UnavailableError,
 )
 from engine.kv_layout import BLOCK_DIM, KVLayout
+from engine.timeline import SEND
 from engine.transfer.base import (
     KVEndpoint,
     KVSender,
@@ -226,7 +229,10 @@ class QueuedSender(KVSender):
                 job = self._queue.popleft()
                 self._current = job
                 self._stop_reason = None
+            started = time.perf_counter_ns()
             completion = self._execute(job)
+            if self.timeline.enabled:
+                self.timeline.complete("send", SEND, started, _send_args(job, completion))
             with self._cond:
                 self._current = None
             self._complete(completion)
@@ -317,6 +323,17 @@ class QueuedSender(KVSender):
             self._done.append(completion)
         if self._notify is not None:
             self._notify()
+
+
+def _send_args(job: SendJob, completion: SendCompletion) -> dict[str, object]:
+    args: dict[str, object] = {
+        "request_id": job.request_id,
+        "blocks": len(job.src_block_ids),
+        "bytes": completion.num_bytes,
+    }
+    if completion.error is not None:
+        args["error"] = type(completion.error).__name__
+    return args
 
 
 def _failed(job: SendJob, error: BatonError) -> SendCompletion:
