@@ -204,3 +204,41 @@ def test_timeline_file_flag_on_real_workers(tiny_llama: Path, tmp_path: Path) ->
     assert len([e for e in spans(docs["prefill"]) if e["name"] == "send"]) == 3
     assert len(spans(docs["decode"], "b")) == 3  # one lease per request
     assert len([e for e in spans(docs["decode"]) if e["name"] == "verify"]) == 3
+
+
+# --- the plot -------------------------------------------------------------------------------
+
+
+def test_the_plot_draws_two_workers_files_together(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from benchmarks import timeline_plot
+
+    paths = []
+    for n, (process, track, name) in enumerate(
+        [("prefill", SEND, "send"), ("decode", RECEIVE, "verify")]
+    ):
+        tl = Timeline(process)
+        for _ in range(3):
+            with tl.span("forward", RUNNER, {"seqs": 1}):
+                time.sleep(0.001)
+            with tl.span(name, track):
+                pass
+        if process == "decode":
+            tl.interval("lease", RECEIVE, time.perf_counter_ns() - 10**6, "r1")
+        doc = tl.to_chrome()
+        for e in doc["traceEvents"]:
+            e["pid"] += n  # two workers are two processes
+        paths.append(tmp_path / f"{process}.json")
+        paths[-1].write_text(json.dumps(doc))
+    rows = [label for label, _ in timeline_plot._rows(timeline_plot.merge(paths))]
+    assert rows == [
+        "decode: runner",
+        "decode: kv receive",
+        "decode: leases",
+        "prefill: runner",
+        "prefill: kv send",
+    ]
+    out = timeline_plot.main(
+        ["--from-files", *map(str, paths), "--out", str(tmp_path / "t.png"), "--zoom-s", "0.01"]
+    )
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
