@@ -5,7 +5,8 @@ real gRPC servers, and a gateway, each with its own in-memory span exporter, as 
 processes would each have their own provider. A request that carries a ``traceparent``
 must come back as one trace: the gateway's spans under the caller's, decode's under
 ``gateway.stream`` (the ``Decode`` call's metadata), prefill's under ``decode.wait_kv``
-(the ``Prefill`` call's metadata). Its last message carries every phase's timing.
+(the ``Prefill`` call's metadata). Its last message carries every phase's timing. A
+single-process worker records one ``decode.generate`` span and the phases that happen.
 
 Through real processes (``tiny_cluster``), ``--otlp-endpoint`` on every service exports
 the same tree to a fake OTLP collector, the final HTTP chunk carries ``baton_timings``,
@@ -89,7 +90,7 @@ class Services:
 
 def _worker_config(role: str, model: Path) -> WorkerConfig:
     engine = EngineConfig(model=str(model), dtype="float32", num_blocks=64, num_threads=1)
-    extra = {"transport_address": f"baton-tr-{uuid.uuid4().hex[:16]}"} if role == "decode" else {}
+    extra = {"transport_address": f"baton-tr-{uuid.uuid4().hex[:16]}"} if role != "prefill" else {}
     return WorkerConfig(role=role, engine=engine, transport="shm", grace_s=0.0, **extra)
 
 
@@ -293,3 +294,51 @@ async def test_three_processes_export_one_trace_over_otlp(tiny_llama: Path) -> N
     for child, parent in TREE.items():
         expected = CALLER_SPAN if parent is None else named[parent].span_id
         assert named[child].parent_span_id == expected, f"{child} should hang under {parent}"
+
+
+async def test_single_process_worker_one_span_and_its_phases(
+    tiny_llama: Path, served_smollm2: ServedModel
+) -> None:
+    provider, exporter = _exporter()
+    worker = DecodeServicer(_worker_config("both", tiny_llama), tracer_provider=provider)
+    servers: list[RpcServer] = []
+    gateway: Gateway | None = None
+    try:
+        servers.append(
+            await _serve(
+                "worker",
+                DECODE_SERVICE,
+                lambda s: worker_pb2_grpc.add_DecodeWorkerServicer_to_server(worker, s),
+                worker.start,
+            )
+        )
+        config = GatewayConfig(
+            decode=(f"127.0.0.1:{servers[0].port}",),
+            port=0,
+            max_retries=0,
+            grace_s=0.0,
+            stats_interval_s=0.05,
+            stats_timeout_s=0.5,
+        )
+        gateway = Gateway(config, model=served_smollm2)
+        servers.append(RpcServer(gateway.spec()))
+        await servers[-1].start()
+        await servers[-1].wait_ready()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{servers[-1].port}") as channel:
+            stub = generate_pb2_grpc.BatonStub(channel)
+            request = ids_request(20, "single-1", max_tokens=3, request_id="r-single")
+            got = [
+                r async for r in stub.Generate(request, metadata=(("traceparent", TRACEPARENT),))
+            ]
+    finally:
+        for server in reversed(servers):
+            await server.stop()
+        if gateway is not None:
+            await gateway.aclose()
+        await worker.close()
+    timings = got[-1].timings
+    known = {name for name in PHASES if timings.HasField(name)}
+    assert known == set(PHASES) - {"reserved_s", "transfer_s"}
+    (s,) = exporter.get_finished_spans()
+    assert s.name == "decode.generate" and s.context.trace_id == int(TRACE_ID, 16)
+    assert s.attributes[REQUEST_ID].startswith("r-single#")

