@@ -42,7 +42,7 @@ from engine.transfer.handoff import (
     TransferDone,
     order_is_signed,
 )
-from rpc.tracing import REQUEST_ID
+from rpc.tracing import CANCELLED, REQUEST_ID
 from tests.engine_helpers import make_core
 
 STALL_S = 0.4
@@ -224,6 +224,31 @@ async def test_a_failed_hand_off_is_an_error_span(rig: Rig) -> None:
     spans = {s.name: s for s in exporter.get_finished_spans()}
     assert set(spans) == {"decode.reserve", "decode.wait_kv"}
     assert spans["decode.wait_kv"].status.status_code is trace.StatusCode.ERROR
+    await rig.settle()
+
+
+async def test_a_cancelled_stream_is_no_error_span(rig: Rig) -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    rig.script = rig.transfer
+    long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    handoff = rig.handoff(tracer=provider.get_tracer("test"))
+    first = asyncio.Event()
+
+    async def consume() -> None:
+        async for _ in handoff.run("t3", PROMPT, long, "p:1", None):
+            first.set()
+
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(first.wait(), 10)
+    task.cancel()  # the gateway went away mid-stream
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    decode = spans["decode.decode"]
+    assert decode.attributes[CANCELLED] is True
+    assert decode.status.status_code is trace.StatusCode.UNSET
     await rig.settle()
 
 
