@@ -44,6 +44,7 @@ from typing import Any
 from benchmarks import common
 from benchmarks.machine_load import LoadWatch
 from benchmarks.openai_load import CLIENT_NAME as BUILTIN_CLIENT
+from benchmarks.openai_load import percentile
 from benchmarks.peers import vllm_cpu
 from benchmarks.serving import ServingConfig, serving_configs
 from benchmarks.serving_openai_report import METRICS, VLLM_LABEL, busy_legs, render, write_plot
@@ -136,7 +137,8 @@ def run_leg(
     opts: Options, server: str, base_url: str, model: str, dataset: Path, rate: float, workdir: Path
 ) -> dict[str, Any]:
     out = workdir / f"{uuid.uuid4().hex[:8]}.json"
-    argv = client_argv(opts, base_url, model, dataset, rate, out, f"{uuid.uuid4().hex[:6]}-")
+    prefix = f"{uuid.uuid4().hex[:6]}-"  # the request ids of this leg (x-request-id)
+    argv = client_argv(opts, base_url, model, dataset, rate, out, prefix)
     logger.info("%s at %g req/s: %s", server, rate, " ".join(argv))
     with LoadWatch() as watch:
         done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True)
@@ -150,6 +152,7 @@ def run_leg(
     leg = {
         "server": server,
         "rate": rate,
+        "request_id_prefix": prefix,
         "client": BUILTIN_CLIENT if opts.client == "builtin" else VLLM_CLIENT,
         "load": watch.summary.as_dict(),
         **{
@@ -206,6 +209,7 @@ def baton_spec(opts: Options, cfg: ServingConfig) -> Any:
     if cfg.mode == "disaggregated" and cfg.transport == "shm":
         args += ["--transport-address", f"baton-oai-{uuid.uuid4().hex[:16]}"]
     return ClusterSpec(
+        log_level="INFO",  # the gateway's per-request finish lines carry the timings
         model=str(opts.model_dir),
         mode=cfg.mode,
         transport=cfg.transport,
@@ -221,10 +225,34 @@ def run_baton(opts: Options, cfg: ServingConfig, dataset: Path, workdir: Path) -
     from gateway.launcher import LocalCluster
 
     server = f"baton {cfg.key} ({cfg.label})"
+    legs = []
     with LocalCluster(baton_spec(opts, cfg)) as cluster:
         model = served_model(cluster.http_address)
         base = f"http://{cluster.http_address}"
-        return [run_leg(opts, server, base, model, dataset, r, workdir) for r in opts.rates]
+        (gateway_log,) = [p.log for p in cluster.procs if p.kind == "gateway"]
+        for rate in opts.rates:
+            leg = run_leg(opts, server, base, model, dataset, rate, workdir)
+            leg["baton_phases"] = logged_phases(gateway_log, leg["request_id_prefix"])
+            legs.append(leg)
+    return legs
+
+
+def logged_phases(gateway_log: Path, prefix: str) -> dict[str, float | int | None]:
+    """Median of each phase over the leg's requests, from the gateway's finish lines
+    (baton's own view of where the time went: queue, prefill, decode)."""
+    from gateway.generation import LOGGED_PHASES, parse_timings
+
+    lines = [
+        line
+        for line in gateway_log.read_text(errors="replace").splitlines()
+        if f"request {prefix}" in line and ": finished" in line
+    ]
+    phases: dict[str, float | int | None] = {"requests": len(lines)}
+    for name in LOGGED_PHASES:
+        values = [getattr(parse_timings(line), f"{name}_s") for line in lines]
+        known = [v for v in values if v is not None]
+        phases[f"{name}_s"] = percentile(known, 50) if known else None
+    return phases
 
 
 def run_vllm(opts: Options, dataset: Path, workdir: Path) -> list[dict]:

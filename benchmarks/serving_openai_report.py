@@ -78,6 +78,25 @@ def render(raw: dict[str, Any], limit: int, busy_cores: float, allow_busy: bool)
         "others' cores",
     ]
     lines += ["", common.markdown_table(headers, rows), ""]
+    phased = [leg for leg in raw["legs"] if leg.get("baton_phases")]
+    if phased:
+        names = ("queued", "prefill", "transfer", "first_token", "decode")
+        rows = [
+            [
+                leg["server"],
+                f"{leg['rate']:g}",
+                str(leg["baton_phases"]["requests"]),
+                *[f(leg["baton_phases"].get(f"{n}_s"), 3) for n in names],
+            ]
+            for leg in phased
+        ]
+        lines += [
+            "Where baton's time went (medians over each leg's requests, in seconds, from"
+            " the `baton_timings` of the gateway's per-request log lines):",
+            "",
+            common.markdown_table(["server", "rate req/s", "requests", *names], rows),
+            "",
+        ]
     ratios = ratio_rows(raw)
     busy = raw["busy_legs"]
     if not ratios:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Iterator
@@ -265,19 +266,24 @@ def _final_timings(
     return reported.merged(mine)
 
 
+# The phases of a request's finish log line, in order (``describe_timings``).
+LOGGED_PHASES = ("queued", "reserved", "prefill", "transfer", "first_token", "decode")
+_LOGGED = re.compile(r"\b(" + "|".join(LOGGED_PHASES) + r")=(-|[0-9.]+s)(?=\s|$)")
+
+
 def describe_timings(timings: RequestTimings) -> str:
     """``queued=0.002s reserved=0.000s ...``: every phase, ``-`` for an unknown one."""
     parts = []
-    for name, value in (
-        ("queued", timings.queued_s),
-        ("reserved", timings.reserved_s),
-        ("prefill", timings.prefill_s),
-        ("transfer", timings.transfer_s),
-        ("first_token", timings.first_token_s),
-        ("decode", timings.decode_s),
-    ):
+    for name in LOGGED_PHASES:
+        value = getattr(timings, f"{name}_s")
         parts.append(f"{name}={'-' if value is None else f'{value:.3f}s'}")
     return " ".join(parts)
+
+
+def parse_timings(line: str) -> RequestTimings:
+    """The phases of a log line ``describe_timings`` wrote (for tools reading the logs)."""
+    found = {f"{k}_s": float(v[:-1]) for k, v in _LOGGED.findall(line) if v != "-"}
+    return RequestTimings(**found)
 
 
 def describe_finish(delta: GenerateDelta) -> str:

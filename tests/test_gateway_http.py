@@ -435,3 +435,14 @@ def test_baton_serve_passes_the_http_port_on() -> None:
     assert _spec(args, args.gateway_port, args.http_port).http_port == 8000
     args = _parser().parse_args(["serve"])
     assert _spec(args, args.gateway_port, args.http_port).http_port is None
+
+
+def test_the_finish_line_timings_read_back() -> None:
+    from engine.request import RequestTimings
+    from gateway.generation import describe_timings, parse_timings
+
+    timings = RequestTimings(queued_s=0.004, prefill_s=1.25, first_token_s=1.3, decode_s=2.0)
+    line = f"request r-1: finished (length) with 9 tokens in 3.300s; {describe_timings(timings)}"
+    assert "reserved=- " in line and "transfer=- " in line
+    assert parse_timings(line) == timings
+    assert parse_timings("request r-2: failed") == RequestTimings()

@@ -66,6 +66,10 @@ def _check_baton_legs(raw: dict, client: str) -> None:
         assert len(leg["itls"]) == sum(out - 1 for _, out in REQUESTS)
         load = leg["load"]
         assert load["seconds"] > 0 and load["others_cores"] >= 0 and load["load1_samples"]
+        # baton's own phases, read back from the gateway's per-request log lines.
+        phases = leg["baton_phases"]
+        assert phases["requests"] == 3 and phases["transfer_s"] is None  # single-process
+        assert 0 <= phases["queued_s"] and 0 < phases["prefill_s"] < phases["first_token_s"]
 
 
 def test_baton_leg_with_the_stand_in_client(tmp_path: Path, tiny_llama: Path) -> None:
@@ -73,7 +77,8 @@ def test_baton_leg_with_the_stand_in_client(tmp_path: Path, tiny_llama: Path) ->
     _check_baton_legs(raw, CLIENT_NAME)
     assert "vLLM leg skipped" in text and "No ratios" in text
     assert f"Load generator: {CLIENT_NAME}" in text
-    assert text.count("| baton a (single-process) |") == 2
+    assert text.count("| baton a (single-process) |") == 4  # the legs, and their phases
+    assert "Where baton's time went" in text
     if PLOTS:
         (png,) = (tmp_path / "out").glob("*.png")
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
