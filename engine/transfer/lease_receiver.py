@@ -125,10 +125,18 @@ class LeaseReceiver(KVReceiver):
             raise ValueError(f"request {request_id}: block_ids must be non-empty")
         bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
         if bad or len(set(block_ids)) != len(block_ids):
-            raise ValueError(f"request {request_id}: block_ids {block_ids} repeat or leave "
-                             f"[0, {self.num_blocks})")
-        lease = Lease(request_id, block_ids, int(epoch), float(deadline),
-                      secrets.randbits(62) + 1, granted_ns=time.perf_counter_ns())
+            raise ValueError(
+                f"request {request_id}: block_ids {block_ids} repeat or leave "
+                f"[0, {self.num_blocks})"
+            )
+        lease = Lease(
+            request_id,
+            block_ids,
+            int(epoch),
+            float(deadline),
+            secrets.randbits(62) + 1,
+            granted_ns=time.perf_counter_ns(),
+        )
         with self._cond:
             if self._closing:
                 raise UnavailableError(f"request {request_id}: {self.kind} receiver is closed")
@@ -291,9 +299,13 @@ class LeaseReceiver(KVReceiver):
             drained = waited > self.config.drain_s
             if drained and not lease.quarantined:
                 lease.quarantined = True
-                logger.error("request %s: a live peer still claims %d block(s) %.1f s after "
-                             "the lease ended; quarantined until it lets go or dies",
-                             lease.request_id, len(lease.block_ids), self.config.drain_s)
+                logger.error(
+                    "request %s: a live peer still claims %d block(s) %.1f s after "
+                    "the lease ended; quarantined until it lets go or dies",
+                    lease.request_id,
+                    len(lease.block_ids),
+                    self.config.drain_s,
+                )
             timeout = min(timeout, _QUARANTINE_POLL_S if drained else _DRAIN_POLL_S)
         for lease in finished:
             del self._leases[lease.request_id]
@@ -328,8 +340,10 @@ class LeaseReceiver(KVReceiver):
                 self._held.pop(block, None)
             self._done.append(RecvCompletion(lease.request_id, lease.epoch, error))
         if self.timeline.enabled:
-            args: dict[str, object] = {"request_id": lease.request_id,
-                                       "blocks": len(lease.block_ids)}
+            args: dict[str, object] = {
+                "request_id": lease.request_id,
+                "blocks": len(lease.block_ids),
+            }
             if error is not None:
                 args["error"] = type(error).__name__
             self.timeline.interval("lease", RECEIVE, lease.granted_ns, lease.request_id, args)
@@ -346,8 +360,14 @@ class LeaseReceiver(KVReceiver):
         if self._staging is None:
             self._staging = Staging(kv.device)
             self._verify_pool = HostPool(kv) if kv.device.type == "cpu" else None
-        actual = checksum_blocks(kv, self.layout, lease.block_ids, self.config.group_bytes,
-                                 self._staging, self._verify_pool)
+        actual = checksum_blocks(
+            kv,
+            self.layout,
+            lease.block_ids,
+            self.config.group_bytes,
+            self._staging,
+            self._verify_pool,
+        )
         if actual != lease.reported_checksum:
             return AbortedError(
                 f"request {lease.request_id}: checksum mismatch, prefill reported "

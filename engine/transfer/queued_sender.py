@@ -125,8 +125,12 @@ class QueuedSender(KVSender):
                 raise UnavailableError(f"request {job.request_id}: {self.kind} sender is closed")
             self._queue.append(job)
             self._cond.notify()
-        logger.debug("request %s: queued %d blocks for %s", job.request_id,
-                     len(job.src_block_ids), job.descriptor.endpoint.address)
+        logger.debug(
+            "request %s: queued %d blocks for %s",
+            job.request_id,
+            len(job.src_block_ids),
+            job.descriptor.endpoint.address,
+        )
 
     def poll(self) -> list[SendCompletion]:
         with self._cond:
@@ -190,12 +194,15 @@ class QueuedSender(KVSender):
             )
         bad_src = [b for b in job.src_block_ids if not 0 <= b < self.num_blocks]
         if bad_src:
-            raise ValueError(f"request {job.request_id}: source blocks {bad_src} outside "
-                             f"[0, {self.num_blocks})")
+            raise ValueError(
+                f"request {job.request_id}: source blocks {bad_src} outside [0, {self.num_blocks})"
+            )
         bad_dst = [b for b in desc.block_ids if not 0 <= b < endpoint.num_blocks]
         if bad_dst or len(set(desc.block_ids)) != len(desc.block_ids):
-            raise ValueError(f"request {job.request_id}: destination blocks {desc.block_ids} "
-                             f"repeat or leave [0, {endpoint.num_blocks})")
+            raise ValueError(
+                f"request {job.request_id}: destination blocks {desc.block_ids} "
+                f"repeat or leave [0, {endpoint.num_blocks})"
+            )
         diff = self.layout.mismatch(endpoint.layout)
         if diff is not None:
             raise LayoutMismatchError(
@@ -251,12 +258,12 @@ class QueuedSender(KVSender):
             link = self._link_for(endpoint, job.deadline)
             checksum, nbytes = link.send(job, lambda group: self._check_stop(job, group))
         except BatonError as exc:
-            logger.warning("request %s: transfer to %s failed: %s", job.request_id,
-                           endpoint.address, exc)
+            logger.warning(
+                "request %s: transfer to %s failed: %s", job.request_id, endpoint.address, exc
+            )
             return _failed(job, exc)
         except Exception as exc:  # a backend bug or torch error: report it typed, keep serving
-            logger.exception("request %s: transfer to %s crashed", job.request_id,
-                             endpoint.address)
+            logger.exception("request %s: transfer to %s crashed", job.request_id, endpoint.address)
             if link is not None:
                 link.broken = True
             return _failed(job, AbortedError(f"request {job.request_id}: transfer failed: {exc!r}"))
@@ -264,15 +271,24 @@ class QueuedSender(KVSender):
             if link is not None and link.broken:
                 self._drop(endpoint.address)
         seconds = time.monotonic() - start
-        logger.debug("request %s: sent %d bytes to %s in %.3f s", job.request_id, nbytes,
-                     endpoint.address, seconds)
+        logger.debug(
+            "request %s: sent %d bytes to %s in %.3f s",
+            job.request_id,
+            nbytes,
+            endpoint.address,
+            seconds,
+        )
         return SendCompletion(job.request_id, job.descriptor.epoch, checksum, nbytes)
 
     def _link_for(self, endpoint: KVEndpoint, deadline: float) -> PeerLink:
         link = self._links.get(endpoint.address)
         if link is not None and link.incarnation != endpoint.incarnation:
-            logger.info("receiver at %s is now incarnation %s (was %s); dropping cached state",
-                        endpoint.address, endpoint.incarnation, link.incarnation)
+            logger.info(
+                "receiver at %s is now incarnation %s (was %s); dropping cached state",
+                endpoint.address,
+                endpoint.incarnation,
+                link.incarnation,
+            )
             self._drop(endpoint.address)
             link = None
         if link is None:
@@ -295,12 +311,22 @@ class QueuedSender(KVSender):
         for address, link in list(self._links.items()):
             idle = now - self._last_used.get(address, now)
             if idle > self.config.peer_idle_s:
-                logger.info("%s sender %s: dropping idle link to %s (%.0f s without a job)",
-                            self.kind, self.incarnation, address, idle)
+                logger.info(
+                    "%s sender %s: dropping idle link to %s (%.0f s without a job)",
+                    self.kind,
+                    self.incarnation,
+                    address,
+                    idle,
+                )
                 self._drop(address)
             elif link.gone():
-                logger.info("%s sender %s: receiver %s at %s is gone; dropping its link",
-                            self.kind, self.incarnation, link.incarnation, address)
+                logger.info(
+                    "%s sender %s: receiver %s at %s is gone; dropping its link",
+                    self.kind,
+                    self.incarnation,
+                    link.incarnation,
+                    address,
+                )
                 self._drop(address)
 
     @property
