@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from protos.baton.v1 import worker_pb2_grpc
 from rpc.metrics import WorkerCollector, WorkerSampler, metrics_endpoint, new_registry
 from rpc.server import ServerSpec, serve
+from rpc.tracing import build_tracer_provider
 from rpc.worker_config import WorkerConfig, WorkerSecurity, env_prefix
 
 
@@ -49,7 +50,12 @@ async def _run(cfg: WorkerConfig) -> None:
     from decode_service.servicer import SERVICE_NAME, DecodeServicer
 
     security = WorkerSecurity.load(cfg)
-    servicer = DecodeServicer(cfg, tls=security.tls, fleet_key=security.fleet_key)
+    tracer_provider = build_tracer_provider(
+        "baton-decode" if cfg.role == "decode" else "baton-worker", cfg.otlp_endpoint
+    )
+    servicer = DecodeServicer(
+        cfg, tls=security.tls, fleet_key=security.fleet_key, tracer_provider=tracer_provider
+    )
     spec = ServerSpec(
         name="decode" if cfg.role == "decode" else "worker",
         register=lambda server: worker_pb2_grpc.add_DecodeWorkerServicer_to_server(
@@ -89,6 +95,8 @@ async def _run(cfg: WorkerConfig) -> None:
             with contextlib.suppress(asyncio.CancelledError):
                 await sampling
         await servicer.close()
+        # Flushes the spans not yet exported; blocking, but only for the export timeout.
+        await asyncio.to_thread(tracer_provider.shutdown)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,13 @@ Cleanup: a request that fails before its hand-off completes cancels its lease an
 its blocks back to the engine only once the lease has ended, that is once no peer can
 write them any more, however long a stalled writer takes. The transport is reached
 through ``PrefillLink``, so this module is tested without gRPC.
+
+Traces and timings: under the caller's trace context, the spans ``decode.reserve``
+(blocks reserved), ``decode.wait_kv`` (the order to the prefill worker until its KV is
+verified and acknowledged: the hand-off; the prefill worker's spans hang under it, its
+context travelling with the order) and ``decode.decode`` (first token to the stream's
+end). The first output carries the hand-off's timings: ``reserved_s`` here, ``queued_s``,
+``prefill_s`` and ``transfer_s`` as the prefill worker reported them.
 """
 
 from __future__ import annotations
@@ -28,6 +35,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
+from opentelemetry import trace
+from opentelemetry.context import Context
+
 from decode_service.kv_inbox import KVInbox
 from engine.async_engine import AsyncEngine, KVLease
 from engine.errors import (
@@ -36,7 +46,7 @@ from engine.errors import (
     PermissionDeniedError,
     ResourceExhaustedError,
 )
-from engine.request import RequestOutput
+from engine.request import RequestOutput, RequestTimings
 from engine.sampling_params import SamplingParams
 from engine.transfer.base import RecvCompletion
 from engine.transfer.fleet_auth import FleetKey
@@ -50,6 +60,7 @@ from engine.transfer.handoff import (
     done_is_signed,
     order_tag,
 )
+from rpc.tracing import child_context, span
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +87,9 @@ class PrefillLink(Protocol):
 
 
 # Opens the stream to the prefill worker at an address; the float is the time left to
-# the client's deadline in seconds (None: no deadline), computed when it is called.
-OpenLink = Callable[[str, float | None], PrefillLink]
+# the client's deadline in seconds (None: no deadline), computed when it is called; the
+# context is the trace context the stream carries to the prefill worker.
+OpenLink = Callable[[str, float | None, Context | None], PrefillLink]
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,8 +116,10 @@ class DecodeHandoff:
         limits: HandoffLimits,
         open_link: OpenLink,
         fleet_key: FleetKey | None = None,
+        tracer: trace.Tracer | None = None,
     ) -> None:
         self._engine = engine
+        self._tracer = tracer or trace.NoOpTracer()
         self._inbox = inbox
         self._limits = limits
         self._open_link = open_link
@@ -122,49 +136,62 @@ class DecodeHandoff:
         params: SamplingParams,
         prefill: str,
         deadline: float | None,
+        *,
+        trace_context: Context | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """The request's outputs, starting with the first token; ``deadline`` is the
-        client's, as ``time.monotonic()`` (None: none). Closing the iterator early
-        cancels the hand-off and frees everything."""
-        lease, stream = await self._reserve(request_id, prompt, params, deadline)
+        client's, as ``time.monotonic()`` (None: none); ``trace_context`` the caller's
+        (the parent of this request's spans). Closing the iterator early cancels the
+        hand-off and frees everything."""
+        began = time.monotonic()
+        with span(self._tracer, "decode.reserve", trace_context, request_id=request_id) as s:
+            lease, stream = await self._reserve(request_id, prompt, params, deadline)
+            s.set_attribute("baton.kv_blocks", len(lease.block_ids))
+        timings = RequestTimings(reserved_s=time.monotonic() - began)
         lease_ended: asyncio.Future[RecvCompletion] | None = None
         link: PrefillLink | None = None
         handed_over = False
         try:
-            desc, lease_ended = self._inbox.lease(
-                request_id, lease.block_ids, lease.generation, self._limits.stall_s
-            )
-            # The time left is taken now, after the wait for blocks, not when the
-            # request arrived.
-            link = self._open_link(prefill, _remaining(deadline))
-            order = PrefillOrder(request_id, tuple(prompt), params, desc)
-            if self._fleet_key is not None:
-                order = dataclasses.replace(order, mac=order_tag(self._fleet_key, order))
-            await link.send(order)
-            first = await self._expect(link, FirstToken, request_id, prefill, deadline)
-            self._note_sender(prefill, first.sender_incarnation)
-            done = await self._expect(link, TransferDone, request_id, prefill, deadline)
-            self._check_fleet(request_id, prefill, desc.lease_token, done)
-            self._inbox.verify(request_id, done.checksum, done.epoch)
-            completion = await self._wait(
-                asyncio.shield(lease_ended), request_id, "verifying the KV", deadline
-            )
-            await link.send(Ack(completion.ok, "" if completion.ok else str(completion.error)))
-            await link.done_writing()
-            if not completion.ok:
-                assert completion.error is not None
-                raise completion.error
-            self._engine.kv_ready(request_id, first.token_id, lease.generation)
-            handed_over = True
-            yield RequestOutput(
-                request_id,
-                [first.token_id],
-                logprobs=[first.logprob] if first.logprob is not None else None,
-                num_prompt_tokens=len(prompt),
-                num_cached_tokens=first.num_cached_tokens,
-            )
-            async for out in stream:
-                yield out
+            with span(
+                self._tracer, "decode.wait_kv", trace_context, request_id=request_id
+            ) as wait_span:
+                wait_span.set_attribute("baton.prefill", prefill)
+                desc, lease_ended = self._inbox.lease(
+                    request_id, lease.block_ids, lease.generation, self._limits.stall_s
+                )
+                # The time left is taken now, after the wait for blocks, not when the
+                # request arrived.
+                link = self._open_link(prefill, _remaining(deadline), child_context(wait_span))
+                order = PrefillOrder(request_id, tuple(prompt), params, desc)
+                if self._fleet_key is not None:
+                    order = dataclasses.replace(order, mac=order_tag(self._fleet_key, order))
+                await link.send(order)
+                first = await self._expect(link, FirstToken, request_id, prefill, deadline)
+                self._note_sender(prefill, first.sender_incarnation)
+                done = await self._expect(link, TransferDone, request_id, prefill, deadline)
+                self._check_fleet(request_id, prefill, desc.lease_token, done)
+                self._inbox.verify(request_id, done.checksum, done.epoch)
+                completion = await self._wait(
+                    asyncio.shield(lease_ended), request_id, "verifying the KV", deadline
+                )
+                await link.send(Ack(completion.ok, "" if completion.ok else str(completion.error)))
+                await link.done_writing()
+                if not completion.ok:
+                    assert completion.error is not None
+                    raise completion.error
+                self._engine.kv_ready(request_id, first.token_id, lease.generation)
+                handed_over = True
+            with span(self._tracer, "decode.decode", trace_context, request_id=request_id):
+                yield RequestOutput(
+                    request_id,
+                    [first.token_id],
+                    logprobs=[first.logprob] if first.logprob is not None else None,
+                    num_prompt_tokens=len(prompt),
+                    num_cached_tokens=first.num_cached_tokens,
+                    timings=_handoff_timings(timings, done.timings),
+                )
+                async for out in stream:
+                    yield out
         finally:
             if link is not None:
                 link.cancel()
@@ -277,6 +304,19 @@ class DecodeHandoff:
         receiver ends the lease when the writer lets go or dies)."""
         await asyncio.shield(lease_ended)
         self._engine.discard(rid)
+
+
+def _handoff_timings(here: RequestTimings, prefill: RequestTimings | None) -> RequestTimings:
+    """Decode's own phases with the ones only the prefill worker knows (and no others:
+    it has no say in decode's)."""
+    if prefill is None:
+        return here
+    return dataclasses.replace(
+        here,
+        queued_s=prefill.queued_s,
+        prefill_s=prefill.prefill_s,
+        transfer_s=prefill.transfer_s,
+    )
 
 
 def _remaining(deadline: float | None) -> float | None:

@@ -16,6 +16,7 @@ import torch
 
 from engine.kv_layout import KVLayout
 from engine.stats import TransferTally
+from engine.timeline import OFF, TimelineRecorder
 from engine.transfer.base import KVDescriptor, KVReceiver, RecvCompletion, TransferConfig
 from engine.transfer.factory import make_receiver
 
@@ -29,8 +30,10 @@ class KVInbox:
         address: str,
         transfer: TransferConfig | None = None,
         device: str = "cpu",
+        timeline: TimelineRecorder = OFF,
     ):
         self.kind = kind
+        self.timeline = timeline  # the receiver's leases and verifies go on it
         self.address = address
         self.device = device  # the engine's device: the pool must live where it computes
         self.transfer = transfer
@@ -57,6 +60,7 @@ class KVInbox:
             notify=self._notify,
             device=self.device,
         )
+        self.receiver.timeline = self.timeline
         logger.info(
             "KV inbox: %s endpoint %s incarnation %s",
             self.kind,

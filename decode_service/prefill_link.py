@@ -1,26 +1,38 @@
 """A ``PrefillLink`` over gRPC: decode's end of one ``PrefillWorker.Prefill`` stream.
 
 Wiring only: records go through ``rpc.convert_handoff``; a failed call surfaces as its
-typed error; a message that breaks the protocol as ABORTED.
+typed error; a message that breaks the protocol as ABORTED. The call's metadata carries
+the trace context (``traceparent``) to the prefill worker.
 """
 
 from __future__ import annotations
 
 import grpc
 import grpc.aio
+from opentelemetry.context import Context
 
 from engine.errors import AbortedError
 from engine.transfer.handoff import Ack, PrefillEvent, PrefillOrder
 from protos.baton.v1 import worker_pb2_grpc
 from rpc.convert_handoff import ack_to_proto, prefill_event_from_proto, prefill_order_to_proto
 from rpc.errors import typed_rpc_errors
+from rpc.tracing import metadata_for
 
 
 class GrpcPrefillLink:
-    def __init__(self, channel: grpc.aio.Channel, address: str, timeout: float | None) -> None:
+    def __init__(
+        self,
+        channel: grpc.aio.Channel,
+        address: str,
+        timeout: float | None,
+        trace_context: Context | None = None,
+    ) -> None:
         self._address = address
         self._rid = ""
-        self._call = worker_pb2_grpc.PrefillWorkerStub(channel).Prefill(timeout=timeout)
+        metadata = metadata_for(trace_context) or None
+        self._call = worker_pb2_grpc.PrefillWorkerStub(channel).Prefill(
+            timeout=timeout, metadata=metadata
+        )
 
     async def send(self, message: PrefillOrder | Ack) -> None:
         if isinstance(message, PrefillOrder):

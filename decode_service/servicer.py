@@ -7,6 +7,10 @@ lease, prefill, verify, ack), over a ``GrpcPrefillLink`` (mTLS when configured).
 and health come from the engine's published snapshot; if the engine thread dies, open
 streams end with UNAVAILABLE and the worker reports NOT_SERVING (``fatal``), so a
 liveness probe restarts it.
+
+The ``traceparent`` of a ``Decode`` call is the parent of the request's spans here
+(``decode.reserve``, ``decode.wait_kv``, ``decode.decode``; single-process one
+``decode.generate``), and the messages carry its timings (``decode_service.timings``).
 """
 
 from __future__ import annotations
@@ -20,26 +24,33 @@ import uuid
 from collections.abc import AsyncIterator
 
 import grpc
+from opentelemetry import trace
+from opentelemetry.context import Context
 
 from decode_service.handoff import DecodeHandoff, HandoffLimits, PrefillLink
 from decode_service.kv_inbox import KVInbox
 from decode_service.prefill_fleet import PrefillFleet
 from decode_service.prefill_link import GrpcPrefillLink
+from decode_service.timings import with_timings
 from engine.async_engine import AsyncEngine
 from engine.engine_core import EngineCore
 from engine.errors import UnavailableError
 from engine.request import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.timeline import OFF, Timeline, TimelineRecorder
 from engine.transfer.base import TransferConfig
 from engine.transfer.fleet_auth import FleetKey
 from protos.baton.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from rpc.channels import CHANNEL_OPTIONS, ChannelCache
 from rpc.convert import (
     finish_reason_to_proto,
+    request_timings_to_proto,
     sampling_params_from_proto,
     token_logprob_to_proto,
     worker_stats_to_proto,
 )
 from rpc.tls import TlsMaterial, server_name_option
+from rpc.tracing import context_from_metadata, span
 from rpc.worker_config import WorkerConfig
 
 logger = logging.getLogger(__name__)
@@ -50,7 +61,7 @@ SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     """``tls``: this worker's PEM material (it dials prefill workers with it as its client
     identity); ``fleet_key``: the fleet's shared secret for the KV hand-off. Both are read
-    once in ``__main__``."""
+    once in ``__main__``, which also builds ``tracer_provider`` (None: no spans)."""
 
     def __init__(
         self,
@@ -58,9 +69,16 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         *,
         tls: TlsMaterial | None = None,
         fleet_key: FleetKey | None = None,
+        tracer_provider: trace.TracerProvider | None = None,
     ):
         assert cfg.role in ("decode", "both")
         self.cfg = cfg
+        provider = tracer_provider or trace.NoOpTracerProvider()
+        self._tracer = provider.get_tracer("baton.decode")
+        # The engine loop's and the KV receiver's spans, written on close (--timeline-file).
+        self.timeline: TimelineRecorder = (
+            Timeline("decode" if cfg.role == "decode" else "worker") if cfg.timeline_file else OFF
+        )
         self.inbox = None
         self._fleet_key = fleet_key
         if cfg.role == "decode":
@@ -72,6 +90,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 address,
                 TransferConfig(fleet_key=fleet_key),
                 device=cfg.engine.device,
+                timeline=self.timeline,
             )
         self.channels = ChannelCache(
             CHANNEL_OPTIONS + server_name_option(cfg.tls_server_name),
@@ -101,13 +120,13 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             EngineCore, self.cfg.engine, kv_pool_factory=factory, show_progress=False
         )
         await asyncio.to_thread(core.warm_up)
-        self.engine = AsyncEngine(core, on_death=self._engine_died)
+        self.engine = AsyncEngine(core, on_death=self._engine_died, timeline=self.timeline)
         await self.engine.start()
         if self.inbox is not None:
             self._incarnation = self.inbox.incarnation
             limits = HandoffLimits(self.cfg.transfer_timeout_s, self.cfg.reserve_timeout_s)
             self.handoff = DecodeHandoff(
-                self.engine, self.inbox, limits, self._open_link, self._fleet_key
+                self.engine, self.inbox, limits, self._open_link, self._fleet_key, self._tracer
             )
         logger.info(
             "decode worker ready (role=%s, incarnation %s)", self.cfg.role, self._incarnation
@@ -126,14 +145,19 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if self.inbox is not None:
             await asyncio.to_thread(self.inbox.close)
         await self.channels.close()
+        if isinstance(self.timeline, Timeline) and self.cfg.timeline_file is not None:
+            await asyncio.to_thread(self.timeline.write, self.cfg.timeline_file)
+            logger.info("engine timeline written to %s", self.cfg.timeline_file)
 
     def _engine_died(self, exc: BaseException) -> None:
         logger.error("decode engine died: %r; reporting NOT_SERVING", exc)
         if self._fatal is not None and not self._fatal.done():
             self._fatal.set_result(f"engine thread died: {exc!r}")
 
-    def _open_link(self, address: str, timeout: float | None) -> PrefillLink:
-        return GrpcPrefillLink(self.channels.get(address), address, timeout)
+    def _open_link(
+        self, address: str, timeout: float | None, trace_context: Context | None
+    ) -> PrefillLink:
+        return GrpcPrefillLink(self.channels.get(address), address, timeout, trace_context)
 
     # -- RPCs -------------------------------------------------------------------------
 
@@ -152,6 +176,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     async def Decode(
         self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.DecodeResponse]:
+        began = time.monotonic()
         engine = self._engine()
         if not request.request_id:
             raise ValueError("request_id is required")
@@ -164,13 +189,14 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         rid = f"{request.request_id}#{self._incarnation[:12]}.{next(self._attempts)}"
         params = sampling_params_from_proto(request.sampling_params)
         prompt = list(request.prompt_token_ids)
+        parent = context_from_metadata(context.invocation_metadata())
         if self.cfg.role == "both":
             if request.prefill_address:
                 raise ValueError(
                     "prefill_address must be empty: this worker runs prompts itself "
                     "(single-process)"
                 )
-            outputs = engine.generate(rid, prompt, params)
+            outputs = self._generate(rid, prompt, params, parent)
         else:
             if not request.prefill_address:
                 raise ValueError("prefill_address is required: this worker only decodes")
@@ -178,11 +204,23 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             assert self.handoff is not None
             remaining = context.time_remaining()
             deadline = None if remaining is None else time.monotonic() + remaining
-            outputs = self.handoff.run(rid, prompt, params, request.prefill_address, deadline)
+            outputs = self.handoff.run(
+                rid, prompt, params, request.prefill_address, deadline, trace_context=parent
+            )
         # Closed explicitly, so leaving early frees the request now, not at GC.
         async with contextlib.aclosing(outputs):
-            async for msg in _responses(outputs, len(prompt)):
+            async for msg in _responses(with_timings(outputs, began), len(prompt)):
                 yield msg
+
+    async def _generate(
+        self, rid: str, prompt: list[int], params: SamplingParams, parent: Context
+    ) -> AsyncIterator[RequestOutput]:
+        """Single-process: the prompt and the decode in this engine, one span."""
+        outputs = self._engine().generate(rid, prompt, params)
+        with span(self._tracer, "decode.generate", parent, request_id=rid):
+            async with contextlib.aclosing(outputs):
+                async for out in outputs:
+                    yield out
 
     def _engine(self) -> AsyncEngine:
         if self.engine is None:
@@ -201,6 +239,8 @@ async def _responses(
             token_ids=out.new_token_ids,
             logprobs=[token_logprob_to_proto(lp) for lp in out.logprobs or []],
         )
+        if out.timings is not None:
+            msg.timings.CopyFrom(request_timings_to_proto(out.timings))
         if out.finished:
             msg.finish_reason = finish_reason_to_proto(out.finish_reason)
             msg.usage.CopyFrom(

@@ -25,7 +25,8 @@ forward's OpenMP threads hold both cores and the engine's work is under 2% of a 
 the time), so overlap can win at most that much there; ``overlap=False`` instead runs
 the whole loop on the compute thread, one step after another. The busy fraction is the
 share of wall time with a forward in flight, measured by the runner the same way as in
-the synchronous loop.
+the synchronous loop. With a ``timeline`` (engine.timeline) the engine thread records
+its schedule / wait / update spans and the runner its prepare / forward / sample spans.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
 from engine.stats import EngineStats
+from engine.timeline import ENGINE, OFF, TimelineRecorder
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +90,7 @@ class AsyncEngine:
         *,
         on_death: Callable[[BaseException], None] | None = None,
         overlap: bool = True,
+        timeline: TimelineRecorder = OFF,
     ):
         """``overlap``: schedule and prepare step N+1 on the engine thread while step N
         computes (the default). False runs the whole loop on the runner's compute thread,
@@ -96,6 +99,8 @@ class AsyncEngine:
         ``on_death`` is called on the event loop, once, if the engine thread dies."""
         self.core = core
         self.overlap = overlap
+        self.timeline = timeline
+        core.runner.timeline = timeline  # the runner's spans go on the same timeline
         self.on_death = on_death
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -391,6 +396,7 @@ class AsyncEngine:
 
     def _run_serial(self) -> None:
         core = self.core
+        tl = self.timeline
         try:
             while not self._stopping:
                 if not core.has_work():
@@ -399,10 +405,12 @@ class AsyncEngine:
                 self._drain()
                 self._grant_reserved()
                 if core.has_work():
-                    sched = core.scheduler.schedule()
+                    with tl.span("schedule", ENGINE):
+                        sched = core.scheduler.schedule()
                     if not sched.empty:
                         sampled = core.runner.run(core.runner.prepare(sched))
-                        self._publish(core.update(sched, sampled))
+                        with tl.span("update", ENGINE):
+                            self._publish(core.update(sched, sampled))
                         self._grant_reserved()
                 self._publish_stats()
         except BaseException as exc:
@@ -416,6 +424,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         core = self.core
+        tl = self.timeline
         inflight: tuple[SchedulerOutput, concurrent.futures.Future[Any]] | None = None
         try:
             while not self._stopping:
@@ -426,13 +435,17 @@ class AsyncEngine:
                 self._grant_reserved()
                 nxt = None
                 if core.has_work():
-                    sched = core.scheduler.schedule()
+                    with tl.span("schedule", ENGINE):
+                        sched = core.scheduler.schedule()
                     if not sched.empty:
                         step = core.runner.prepare(sched)
                         nxt = (sched, core.runner.submit_run(step))
                 if inflight is not None:
                     sched, fut = inflight
-                    self._publish(core.update(sched, fut.result()))
+                    with tl.span("wait", ENGINE):
+                        sampled = fut.result()
+                    with tl.span("update", ENGINE):
+                        self._publish(core.update(sched, sampled))
                     self._grant_reserved()
                 inflight = nxt
                 self._publish_stats()

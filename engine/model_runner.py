@@ -8,7 +8,9 @@ tensors from the ``SchedulerOutput`` alone (any thread, even while the previous 
 computes), and ``run`` fills in the tokens that were still pending when the step was
 scheduled from the previous step's samples, runs the forward and samples, on the compute
 thread (``submit_run`` queues it there and returns a future). Steps run in the order
-they are queued. ``execute`` is the two in a row.
+they are queued. ``execute`` is the two in a row. ``timeline`` (engine.timeline; set by
+the ``AsyncEngine`` that drives the runner, OFF otherwise) gets each step's prepare,
+forward and sample spans.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from engine.kv_layout import KVLayout
 from engine.models.llama import LlamaForCausalLM
 from engine.sampler import Sampler, SamplingRow, position_generator
 from engine.scheduler import PENDING_TOKEN, SampledToken, ScheduledSeq, SchedulerOutput
+from engine.timeline import OFF, RUNNER, TimelineRecorder
 from engine.weights import iter_safetensors
 
 logger = logging.getLogger(__name__)
@@ -52,6 +55,8 @@ class PreparedStep:
 
 
 class ModelRunner:
+    timeline: TimelineRecorder = OFF
+
     def __init__(
         self,
         cfg: EngineConfig,
@@ -144,7 +149,8 @@ class ModelRunner:
     def prepare(self, sched: SchedulerOutput) -> PreparedStep:
         """The step's input tensors. Reads only ``sched``: safe while a step runs."""
         t0 = time.perf_counter()
-        step = self._prepare(sched)
+        with self.timeline.span("prepare", RUNNER):
+            step = self._prepare(sched)
         self.prepare_seconds += time.perf_counter() - t0
         return step
 
@@ -152,8 +158,10 @@ class ModelRunner:
     def _run(self, step: PreparedStep) -> list[SampledToken | None]:
         """Forward and sample; a token per seq with ``sample=True``. On the compute thread."""
         self._fill_pending(step)
+        tl = self.timeline
         t0 = time.perf_counter()
-        logits = self._forward(step)
+        with tl.span("forward", RUNNER, _step_args(step.sched) if tl.enabled else None):
+            logits = self._forward(step)
         return self._sample(step.sched, step.sample_seq_idx, logits, t0)
 
     def _sample(
@@ -165,8 +173,10 @@ class ModelRunner:
         results: list[SampledToken | None] = [None] * len(seqs)
         last: dict[str, int] = {}
         if sample_seq_idx:
-            rows = [self._sampling_row(seqs[i]) for i in sample_seq_idx]
-            for i, (tok, lp) in zip(sample_seq_idx, self.sampler(logits, rows), strict=True):
+            with self.timeline.span("sample", RUNNER):
+                rows = [self._sampling_row(seqs[i]) for i in sample_seq_idx]
+                sampled = self.sampler(logits, rows)
+            for i, (tok, lp) in zip(sample_seq_idx, sampled, strict=True):
                 results[i] = SampledToken(tok, lp)
                 last[seqs[i].request.request_id] = tok
         self._last_sampled = last
@@ -298,3 +308,13 @@ class ModelRunner:
             pending_rows=pending_rows,
             pending_ids=pending_ids,
         )
+
+
+def _step_args(sched: SchedulerOutput) -> dict[str, int]:
+    """What a forward span shows: the batch's shape."""
+    prefill = [s.num_new for s in sched.seqs if s.num_new > 1]
+    return {
+        "seqs": len(sched.seqs),
+        "decode_seqs": len(sched.seqs) - len(prefill),
+        "prefill_tokens": sum(prefill),
+    }

@@ -6,6 +6,7 @@ prefix-cache hit and KV that arrived from a prefill worker all just advance it.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 from dataclasses import dataclass, field
@@ -37,6 +38,36 @@ class TokenLogprob:
     top: list[tuple[int, float]]
 
 
+@dataclass(frozen=True, slots=True)
+class RequestTimings:
+    """Where one request's time went, phase by phase, in seconds (``RequestTimings`` in
+    common.proto says what each phase spans). None: the phase did not happen for this
+    request, or the reporting side does not know it."""
+
+    queued_s: float | None = None
+    reserved_s: float | None = None
+    prefill_s: float | None = None
+    transfer_s: float | None = None
+    first_token_s: float | None = None
+    decode_s: float | None = None
+    total_s: float | None = None
+
+    def merged(self, newer: RequestTimings | None) -> RequestTimings:
+        """These timings with every phase ``newer`` knows taken from it."""
+        if newer is None:
+            return self
+        return dataclasses.replace(self, **newer.as_dict())
+
+    def as_dict(self) -> dict[str, float]:
+        """The known phases, by field name (what the HTTP API's ``baton_timings`` holds)."""
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is not None:
+                out[f.name] = value
+        return out
+
+
 @dataclass(slots=True)
 class RequestOutput:
     """What one engine step produced for one request (a delta, never the whole history)."""
@@ -50,6 +81,9 @@ class RequestOutput:
     # Set when the request finished with ``hold_kv``: its blocks stay allocated until
     # ``release_held`` is called, so a transfer can read them.
     held_block_ids: list[int] | None = None
+    # The request's phases known when this output was made: the engine sets queued_s and
+    # prefill_s on a request's first token; the services add theirs.
+    timings: RequestTimings | None = None
 
     @property
     def finished(self) -> bool:
@@ -65,6 +99,9 @@ class Request:
     # Prefill role: on finish, keep the blocks for a transfer instead of freeing them.
     hold_kv: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
+    # When the scheduler first gave the request a step (``time.monotonic()``); None
+    # before that, and for a request whose KV came from a prefill worker.
+    scheduled_time: float | None = None
     status: RequestStatus = RequestStatus.WAITING
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -27,12 +27,20 @@ at once, since they run after it, in order.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from engine.block_pool import NO_PARENT, ROOT_HASH, BlockPool, hash_block
 from engine.errors import AbortedError, ResourceExhaustedError
-from engine.request import FinishReason, Request, RequestOutput, RequestStatus, TokenLogprob
+from engine.request import (
+    FinishReason,
+    Request,
+    RequestOutput,
+    RequestStatus,
+    RequestTimings,
+    TokenLogprob,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -412,6 +420,8 @@ class Scheduler:
             req.num_computed_tokens = start
             self._grow(req, need)
             req.status = RequestStatus.RUNNING
+            if req.scheduled_time is None:
+                req.scheduled_time = time.monotonic()
             self.running.append(req)
             budget -= self._emit(req, num_new, out)
 
@@ -447,6 +457,8 @@ class Scheduler:
                 num_prompt_tokens=req.num_prompt_tokens,
                 num_cached_tokens=req.num_cached_tokens,
             )
+            if req.num_output_tokens == 1 and req.scheduled_time is not None:
+                output.timings = _first_token_timings(req)
             if reason is not None:
                 if req.status is RequestStatus.RUNNING:
                     self.running.remove(req)
@@ -579,3 +591,12 @@ class Scheduler:
         else:
             self.pool.free(req.block_ids)
         req.block_ids = []
+
+
+def _first_token_timings(req: Request) -> RequestTimings:
+    """Queue and prefill time of a request that just sampled its first token here."""
+    assert req.scheduled_time is not None
+    return RequestTimings(
+        queued_s=req.scheduled_time - req.arrival_time,
+        prefill_s=time.monotonic() - req.scheduled_time,
+    )

@@ -17,6 +17,13 @@ Traces: a front end opens the request's root span ``gateway.request``
 trace); under it come ``gateway.validate``,
 ``gateway.tokenize`` and ``gateway.stream``, which is the parent of each attempt's
 ``gateway.route`` and of decode's own spans.
+
+Timings: the last delta carries the request's phases (``RequestTimings``): the ones only
+the workers see as they reported them (queued, reserved, prefill, transfer; decode's
+first message has them, so they are there even when the gateway ends the request over a
+stop string), and ``first_token_s``, ``decode_s`` and ``total_s`` as the client sees
+them, measured here from the request's arrival at the gateway (so first token + decode
+= total). The gateway logs them with the request's finish, one line per request.
 """
 
 from __future__ import annotations
@@ -24,16 +31,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from opentelemetry import trace
 from opentelemetry.context import Context
 
 from engine.errors import DeadlineExceededError, ResourceExhaustedError
+from engine.request import RequestTimings
 from gateway.dispatcher import DecodeJob, Dispatcher
 from gateway.metrics import GatewayMetrics, RequestTrack
 from gateway.output_processor import GenerateDelta, OutputProcessor
@@ -54,6 +63,8 @@ class RequestTrace:
     root: trace.Span
     context: Context
     track: RequestTrack | None = None  # the request's metrics, when the gateway has them
+    # When the request arrived (time.monotonic()): where its timings count from.
+    began: float = field(default_factory=time.monotonic)
 
 
 class Generation:
@@ -106,9 +117,7 @@ class Generation:
         track = self._metrics.track() if self._metrics is not None else None
         error: BaseException | None = None
         try:
-            with span(
-                self._tracer, "gateway.request", parent, kind=trace.SpanKind.SERVER
-            ) as root:
+            with span(self._tracer, "gateway.request", parent, kind=trace.SpanKind.SERVER) as root:
                 root.set_attribute("baton.api", api)
                 yield RequestTrace(root=root, context=child_context(root), track=track)
         except BaseException as exc:
@@ -163,7 +172,6 @@ class Generation:
     async def _stream(
         self, req: GenerateInput, rid: str, tr: RequestTrace, deadline: float | None
     ) -> AsyncGenerator[GenerateDelta, None]:
-        began = time.monotonic()
         card = self._model.card
         with span(self._tracer, "gateway.tokenize", tr.context, request_id=rid) as s:
             prompt = await self._prompt_token_ids(req)
@@ -188,6 +196,8 @@ class Generation:
         )
         loop = asyncio.get_running_loop()
         final: GenerateDelta | None = None
+        reported = RequestTimings()  # what decode said so far
+        first_at: float | None = None
         with span(self._tracer, "gateway.stream", tr.context, request_id=rid) as stream_span:
             job = DecodeJob(
                 request_id=rid,
@@ -202,7 +212,10 @@ class Generation:
                 outputs = self._dispatcher.stream(job, timeout=timeout)
                 async with contextlib.aclosing(outputs) as outs:
                     async for out in outs:
+                        reported = reported.merged(out.timings)
                         delta = processor.process(out)
+                        if first_at is None and (delta.has_content or delta.finished):
+                            first_at = time.monotonic()
                         if delta.finished:
                             final = delta  # leaving the loop cancels decode if still going
                             break
@@ -219,13 +232,16 @@ class Generation:
                 logger.info("request %s: failed: %s: %s", rid, type(exc).__name__, exc)
                 raise
             assert final is not None, "the dispatch stream ends with a finished output or raises"
+            assert first_at is not None
             stream_span.set_attribute("baton.completion_tokens", processor.num_completion_tokens)
+        final.timings = _final_timings(reported, tr.began, first_at, time.monotonic())
         logger.info(
-            "request %s: finished (%s) with %d tokens in %.3fs",
+            "request %s: finished (%s) with %d tokens in %.3fs; %s",
             rid,
             describe_finish(final),
             processor.num_completion_tokens,
-            time.monotonic() - began,
+            final.timings.total_s,
+            describe_timings(final.timings),
         )
         if tr.track is not None:
             tr.track.tokens(len(final.token_ids))
@@ -238,6 +254,36 @@ class Generation:
             return await self._model.tokenizer.apply_chat_template(req.chat)
         assert req.token_ids is not None
         return list(req.token_ids)
+
+
+def _final_timings(
+    reported: RequestTimings, began: float, first_at: float, now: float
+) -> RequestTimings:
+    """The workers' phases, with first token, decode and total as the gateway saw them."""
+    mine = RequestTimings(
+        first_token_s=first_at - began, decode_s=now - first_at, total_s=now - began
+    )
+    return reported.merged(mine)
+
+
+# The phases of a request's finish log line, in order (``describe_timings``).
+LOGGED_PHASES = ("queued", "reserved", "prefill", "transfer", "first_token", "decode")
+_LOGGED = re.compile(r"\b(" + "|".join(LOGGED_PHASES) + r")=(-|[0-9.]+s)(?=\s|$)")
+
+
+def describe_timings(timings: RequestTimings) -> str:
+    """``queued=0.002s reserved=0.000s ...``: every phase, ``-`` for an unknown one."""
+    parts = []
+    for name in LOGGED_PHASES:
+        value = getattr(timings, f"{name}_s")
+        parts.append(f"{name}={'-' if value is None else f'{value:.3f}s'}")
+    return " ".join(parts)
+
+
+def parse_timings(line: str) -> RequestTimings:
+    """The phases of a log line ``describe_timings`` wrote (for tools reading the logs)."""
+    found = {f"{k}_s": float(v[:-1]) for k, v in _LOGGED.findall(line) if v != "-"}
+    return RequestTimings(**found)
 
 
 def describe_finish(delta: GenerateDelta) -> str:

@@ -6,6 +6,12 @@ objects for one delta (a chat stream opens with a chunk carrying only the role),
 accumulates for ``response()``, the non-streaming body. Log-probabilities come in the
 endpoint's own shape: ``{tokens, token_logprobs, top_logprobs, text_offset}`` for
 completions, ``{content: [{token, logprob, bytes, top_logprobs}]}`` for chat.
+
+baton's one extension: ``baton_timings``, the request's per-phase timings in seconds
+(``queued_s``, ``reserved_s``, ``prefill_s``, ``transfer_s``, ``first_token_s``,
+``decode_s``, ``total_s``; a phase that did not happen is left out), on the
+non-streaming response and on the last chunk of a stream (the usage chunk when
+``stream_options.include_usage`` asks for one, else the chunk with the finish reason).
 """
 
 from __future__ import annotations
@@ -15,11 +21,12 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.errors import AbortedError
-from engine.request import FinishReason, TokenLogprob
+from engine.request import FinishReason, RequestTimings, TokenLogprob
 from gateway.openai_request import Endpoint, OpenAIRequest
 from gateway.output_processor import GenerateDelta, Usage
 
 SSE_DONE = b"data: [DONE]\n\n"
+TIMINGS_KEY = "baton_timings"  # baton's extension field (see the module doc)
 # JSON has no infinities; a token the filters ruled out is reported at this floor (as vLLM).
 MIN_LOGPROB = -9999.0
 
@@ -66,6 +73,7 @@ class ResponseBuilder:
         self._text_offset = 0  # characters of completion text before the next token
         self._finish_reason: str | None = None
         self._usage: Usage | None = None
+        self._timings: RequestTimings | None = None
 
     # -- streaming ----------------------------------------------------------------------
 
@@ -81,10 +89,20 @@ class ResponseBuilder:
             out.append(self._chunk({"content": delta.text} if delta.text else {}, logprobs, finish))
         else:
             out.append(self._chunk(delta.text, logprobs, finish))
+        if finish is not None:
+            self._timings = delta.timings
+            if not self._req.include_usage:
+                self._add_timings(out[-1])
         return out
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
-        return self._envelope(self._object("chunk"), [], usage=usage_dict(usage))
+        """The last chunk of a stream that asked for usage (it carries the timings)."""
+        return self._add_timings(self._envelope(self._object("chunk"), [], usage=usage_dict(usage)))
+
+    def _add_timings(self, obj: dict[str, Any]) -> dict[str, Any]:
+        if self._timings is not None:
+            obj[TIMINGS_KEY] = self._timings.as_dict()
+        return obj
 
     def _chunk(self, content: Any, logprobs: Any, finish: str | None) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0}
@@ -104,6 +122,7 @@ class ResponseBuilder:
                 self._logprobs.setdefault(key, []).extend(values)
         if finish is not None:
             self._finish_reason, self._usage = finish, delta.usage
+            self._timings = delta.timings
 
     def response(self) -> dict[str, Any]:
         assert self._usage is not None, "response() comes after the finished delta"
@@ -122,7 +141,8 @@ class ResponseBuilder:
             choice["text"] = text
         choice["logprobs"] = logprobs
         choice["finish_reason"] = self._finish_reason
-        return self._envelope(self._object("whole"), [choice], usage=usage_dict(self._usage))
+        whole = self._envelope(self._object("whole"), [choice], usage=usage_dict(self._usage))
+        return self._add_timings(whole)
 
     # -- shared -------------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.request import FinishReason, RequestOutput, TokenLogprob
+from engine.request import FinishReason, RequestOutput, RequestTimings, TokenLogprob
 from engine.sampling_params import SamplingParams
 from gateway.detokenizer import Decoder, IncrementalDetokenizer
 from gateway.stop_strings import StopStringMatcher
@@ -36,6 +36,7 @@ class GenerateDelta:
     finish_reason: FinishReason | None = None
     stop_string: str | None = None  # set when a stop string ended the request
     usage: Usage | None = None  # set on the last delta only
+    timings: RequestTimings | None = None  # set on the last delta only (gateway.generation)
 
     @property
     def finished(self) -> bool:

@@ -19,7 +19,12 @@ from gateway.generation import Generation
 from gateway.output_processor import GenerateDelta
 from gateway.validation import validate_generate_request
 from protos.baton.v1 import common_pb2, generate_pb2, generate_pb2_grpc
-from rpc.convert import finish_reason_to_proto, token_logprob_to_proto, usage_to_proto
+from rpc.convert import (
+    finish_reason_to_proto,
+    request_timings_to_proto,
+    token_logprob_to_proto,
+    usage_to_proto,
+)
 from rpc.tracing import context_from_metadata
 
 
@@ -72,4 +77,6 @@ def _to_proto(request_id: str, delta: GenerateDelta) -> generate_pb2.GenerateRes
         msg.usage.CopyFrom(
             usage_to_proto(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
         )
+    if delta.timings is not None:
+        msg.timings.CopyFrom(request_timings_to_proto(delta.timings))
     return msg

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from protos.baton.v1 import worker_pb2_grpc
 from rpc.metrics import WorkerCollector, WorkerSampler, metrics_endpoint, new_registry
 from rpc.server import ServerSpec, serve
+from rpc.tracing import build_tracer_provider
 from rpc.worker_config import WorkerConfig, WorkerSecurity
 
 
@@ -46,7 +47,8 @@ async def _run(cfg: WorkerConfig) -> None:
     from prefill_service.servicer import SERVICE_NAME, PrefillServicer
 
     security = WorkerSecurity.load(cfg)
-    servicer = PrefillServicer(cfg, fleet_key=security.fleet_key)
+    tracer_provider = build_tracer_provider("baton-prefill", cfg.otlp_endpoint)
+    servicer = PrefillServicer(cfg, fleet_key=security.fleet_key, tracer_provider=tracer_provider)
     spec = ServerSpec(
         name="prefill",
         register=lambda server: worker_pb2_grpc.add_PrefillWorkerServicer_to_server(
@@ -85,6 +87,8 @@ async def _run(cfg: WorkerConfig) -> None:
             with contextlib.suppress(asyncio.CancelledError):
                 await sampling
         await servicer.close()
+        # Flushes the spans not yet exported; blocking, but only for the export timeout.
+        await asyncio.to_thread(tracer_provider.shutdown)
 
 
 if __name__ == "__main__":

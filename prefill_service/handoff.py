@@ -9,6 +9,12 @@ or the sender moved data, so decode bounds a stalled worker, not a long prompt.
 Source blocks are freed on the ack, on any failure, or when decode goes away, but never
 while the sender may still read them. Tested without gRPC: events come out of ``run``
 and acks go in as an async iterator.
+
+Traces and timings: under the caller's trace context (decode's ``decode.wait_kv``), the
+spans ``prefill.queue`` (waiting for the engine's first step of the request),
+``prefill.prefill`` (that step to the first token; both measured by the engine thread
+and recorded once the first token is out) and ``prefill.transfer`` (the KV copy, queued
+on the sender to written). ``TransferDone`` reports the same three phases to decode.
 """
 
 from __future__ import annotations
@@ -21,6 +27,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from opentelemetry import trace
+from opentelemetry.context import Context
+
 from engine.async_engine import AsyncEngine
 from engine.errors import (
     AbortedError,
@@ -29,7 +38,7 @@ from engine.errors import (
     PermissionDeniedError,
 )
 from engine.kv_layout import KVLayout
-from engine.request import FinishReason, RequestOutput
+from engine.request import FinishReason, RequestOutput, RequestTimings
 from engine.transfer.base import SendCompletion
 from engine.transfer.fleet_auth import FleetKey
 from engine.transfer.handoff import (
@@ -44,6 +53,7 @@ from engine.transfer.handoff import (
     order_is_signed,
 )
 from prefill_service.kv_outbox import KVOutbox
+from rpc.tracing import record_span, span
 
 logger = logging.getLogger(__name__)
 
@@ -70,8 +80,10 @@ class PrefillHandoff:
         layout: KVLayout,
         limits: PrefillLimits,
         fleet_key: FleetKey | None = None,
+        tracer: trace.Tracer | None = None,
     ) -> None:
         self._engine = engine
+        self._tracer = tracer or trace.NoOpTracer()
         self._outbox = outbox
         self._layout = layout
         self._limits = limits
@@ -82,11 +94,18 @@ class PrefillHandoff:
         self.in_flight = 0
 
     async def run(
-        self, order: PrefillOrder, acks: AsyncIterator[Ack | None], remaining: float | None
+        self,
+        order: PrefillOrder,
+        acks: AsyncIterator[Ack | None],
+        remaining: float | None,
+        *,
+        trace_context: Context | None = None,
     ) -> AsyncIterator[PrefillEvent]:
         """The events to send decode. ``acks`` yields decode's messages after the order
-        (None or exhaustion: it left); ``remaining``: seconds to the caller's deadline."""
+        (None or exhaustion: it left); ``remaining``: seconds to the caller's deadline;
+        ``trace_context``: the caller's (the parent of this request's spans)."""
         rid = order.request_id
+        clock = _SpanClock()
         self._check(order)
         # Only the first token is sampled here; min_tokens still bars an immediate EOS.
         params = dataclasses.replace(
@@ -97,15 +116,22 @@ class PrefillHandoff:
             name=f"prefill-{rid}",
         )
         sent: asyncio.Future[SendCompletion] | None = None
+        engine_timings: RequestTimings | None = None
         self.in_flight += 1
         try:
-            async for beat in self._beats(
-                prefill, rid, Phase.PREFILLING, len(order.prompt_token_ids)
-            ):
-                yield beat
-            out = prefill.result()
-            if out.finish_reason is FinishReason.ABORT:
-                raise CancelledError(f"request {rid} was aborted during prefill")
+            try:
+                async for beat in self._beats(
+                    prefill, rid, Phase.PREFILLING, len(order.prompt_token_ids)
+                ):
+                    yield beat
+                out = prefill.result()
+                if out.finish_reason is FinishReason.ABORT:
+                    raise CancelledError(f"request {rid} was aborted during prefill")
+            except BaseException as exc:
+                self._prefill_spans(trace_context, rid, clock, None, exc)
+                raise
+            engine_timings = out.timings or RequestTimings()
+            self._prefill_spans(trace_context, rid, clock, engine_timings, None)
             assert out.held_block_ids is not None and len(out.new_token_ids) == 1
             yield FirstToken(
                 token_id=out.new_token_ids[0],
@@ -114,17 +140,28 @@ class PrefillHandoff:
                 sender_incarnation=self._outbox.sender.incarnation,
             )
             budget = self._limits.stall_s * 10 if remaining is None else remaining
-            sent = self._outbox.send(rid, out.held_block_ids, order.descriptor, budget)
-            async for beat in self._beats(
-                sent, rid, Phase.TRANSFERRING, len(order.prompt_token_ids)
-            ):
-                yield beat
-            completion = sent.result()
-            if not completion.ok:
-                assert completion.error is not None
-                raise completion.error
+            with span(self._tracer, "prefill.transfer", trace_context, request_id=rid) as s:
+                queued_at = time.monotonic()
+                sent = self._outbox.send(rid, out.held_block_ids, order.descriptor, budget)
+                async for beat in self._beats(
+                    sent, rid, Phase.TRANSFERRING, len(order.prompt_token_ids)
+                ):
+                    yield beat
+                completion = sent.result()
+                transfer_s = time.monotonic() - queued_at
+                s.set_attribute("baton.kv_bytes", completion.num_bytes)
+                if not completion.ok:
+                    assert completion.error is not None
+                    raise completion.error
             assert completion.checksum is not None
-            done = TransferDone(completion.checksum, completion.epoch, completion.num_bytes)
+            timings = RequestTimings(
+                queued_s=engine_timings.queued_s,
+                prefill_s=engine_timings.prefill_s,
+                transfer_s=transfer_s,
+            )
+            done = TransferDone(
+                completion.checksum, completion.epoch, completion.num_bytes, timings=timings
+            )
             if self._fleet_key is not None:
                 tag = done_tag(self._fleet_key, rid, order.descriptor.lease_token, done)
                 done = dataclasses.replace(done, mac=tag)
@@ -150,6 +187,35 @@ class PrefillHandoff:
                 task = asyncio.create_task(self._release_after(rid, sent))
                 self._cleanups.add(task)
                 task.add_done_callback(self._cleanups.discard)
+
+    def _prefill_spans(
+        self,
+        parent: Context | None,
+        rid: str,
+        clock: _SpanClock,
+        timings: RequestTimings | None,
+        error: BaseException | None,
+    ) -> None:
+        """``prefill.queue`` and ``prefill.prefill``, from the engine's measurements; a
+        request that never got its first token gets one failed ``prefill.prefill``."""
+        end = clock.now_ns()
+        if timings is None or timings.queued_s is None:
+            # No queue/prefill split known: ended (failed, cancelled) before the first token.
+            record_span(
+                self._tracer,
+                "prefill.prefill",
+                parent,
+                clock.start_ns,
+                end,
+                request_id=rid,
+                error=_failure(error),
+            )
+            return
+        scheduled = clock.start_ns + int(timings.queued_s * 1e9)
+        record_span(
+            self._tracer, "prefill.queue", parent, clock.start_ns, scheduled, request_id=rid
+        )
+        record_span(self._tracer, "prefill.prefill", parent, scheduled, end, request_id=rid)
 
     async def close(self, timeout_s: float) -> None:
         if self._cleanups:
@@ -201,6 +267,25 @@ class PrefillHandoff:
             time.monotonic() - began,
         )
         self._engine.release_held(rid)
+
+
+class _SpanClock:
+    """When a request arrived, on the wall clock spans use, and ``time.time_ns()`` of a
+    later moment computed from the monotonic clock (immune to wall-clock steps)."""
+
+    __slots__ = ("start_ns", "_start")
+
+    def __init__(self) -> None:
+        self.start_ns = time.time_ns()
+        self._start = time.monotonic()
+
+    def now_ns(self) -> int:
+        return self.start_ns + int((time.monotonic() - self._start) * 1e9)
+
+
+def _failure(error: BaseException | None) -> BaseException | None:
+    """The error a span records: a consumer that closed the stream early is none."""
+    return None if isinstance(error, GeneratorExit) else error
 
 
 async def _last(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:

@@ -15,6 +15,7 @@ import torch
 
 from engine.kv_layout import KVLayout
 from engine.stats import TransferTally
+from engine.timeline import OFF, TimelineRecorder
 from engine.transfer.base import KVDescriptor, KVSender, SendCompletion, SendJob, TransferConfig
 from engine.transfer.factory import make_sender
 
@@ -29,12 +30,14 @@ class KVOutbox:
         layout: KVLayout,
         loop: asyncio.AbstractEventLoop,
         config: TransferConfig | None = None,
+        timeline: TimelineRecorder = OFF,
     ):
         self._loop = loop
         self._waiters: dict[str, asyncio.Future[SendCompletion]] = {}
         self._started: dict[str, float] = {}  # request id -> when its send was queued
         self.tally = TransferTally()  # every send's outcome, for the metrics endpoint
         self.sender: KVSender = make_sender(kind, kv_cache, layout, config, notify=self._notify)
+        self.sender.timeline = timeline  # its sends on the worker's timeline
 
     def send(
         self, request_id: str, src_block_ids: list[int], desc: KVDescriptor, timeout_s: float

@@ -3,7 +3,8 @@
 One bidirectional ``Prefill`` stream per request; the hand-off itself (prefill into the
 decode worker's leased blocks, progress beats, transfer, ack) runs in
 ``prefill_service.handoff``. Stats come from the engine's published snapshot; if the
-engine thread dies the worker reports NOT_SERVING (``fatal``).
+engine thread dies the worker reports NOT_SERVING (``fatal``). The stream's
+``traceparent`` (decode's ``decode.wait_kv``) is the parent of the request's spans here.
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ import uuid
 from collections.abc import AsyncIterator
 
 import grpc
+from opentelemetry import trace
 
 from engine.async_engine import AsyncEngine
 from engine.engine_core import EngineCore
 from engine.errors import UnavailableError
+from engine.timeline import OFF, Timeline, TimelineRecorder
 from engine.transfer.base import TransferConfig
 from engine.transfer.fleet_auth import FleetKey
 from engine.transfer.handoff import Ack
@@ -27,6 +30,7 @@ from prefill_service.kv_outbox import KVOutbox
 from protos.baton.v1 import worker_pb2, worker_pb2_grpc
 from rpc.convert import worker_stats_to_proto
 from rpc.convert_handoff import ack_from_proto, prefill_event_to_proto, prefill_order_from_proto
+from rpc.tracing import context_from_metadata
 from rpc.worker_config import WorkerConfig
 
 logger = logging.getLogger(__name__)
@@ -36,11 +40,22 @@ SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     """``fleet_key``: the fleet's shared secret (read once in ``__main__``): orders must
-    carry its tag, and the rendezvous store and transfer reports carry ours."""
+    carry its tag, and the rendezvous store and transfer reports carry ours.
+    ``tracer_provider``: built in ``__main__`` (None: no spans)."""
 
-    def __init__(self, cfg: WorkerConfig, *, fleet_key: FleetKey | None = None):
+    def __init__(
+        self,
+        cfg: WorkerConfig,
+        *,
+        fleet_key: FleetKey | None = None,
+        tracer_provider: trace.TracerProvider | None = None,
+    ):
         assert cfg.role == "prefill"
         self.cfg = cfg
+        provider = tracer_provider or trace.NoOpTracerProvider()
+        self._tracer = provider.get_tracer("baton.prefill")
+        # The engine loop's and the KV sender's spans, written on close (--timeline-file).
+        self.timeline: TimelineRecorder = Timeline("prefill") if cfg.timeline_file else OFF
         self._fleet_key = fleet_key
         self.engine: AsyncEngine | None = None
         self.outbox: KVOutbox | None = None
@@ -54,7 +69,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self._fatal = loop.create_future()
         core = await asyncio.to_thread(EngineCore, self.cfg.engine, show_progress=False)
         await asyncio.to_thread(core.warm_up)
-        self.engine = AsyncEngine(core, on_death=self._engine_died)
+        self.engine = AsyncEngine(core, on_death=self._engine_died, timeline=self.timeline)
         await self.engine.start()
         self.outbox = KVOutbox(
             self.cfg.transport,
@@ -62,10 +77,11 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             core.layout,
             loop,
             TransferConfig(fleet_key=self._fleet_key),
+            timeline=self.timeline,
         )
         limits = PrefillLimits(stall_s=self.cfg.transfer_timeout_s)
         self.handoff = PrefillHandoff(
-            self.engine, self.outbox, core.layout, limits, self._fleet_key
+            self.engine, self.outbox, core.layout, limits, self._fleet_key, self._tracer
         )
         logger.info("prefill worker ready (incarnation %s)", self._incarnation)
 
@@ -81,6 +97,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             await asyncio.to_thread(self.outbox.close)
         if self.engine is not None:
             await self.engine.shutdown()
+        if isinstance(self.timeline, Timeline) and self.cfg.timeline_file is not None:
+            await asyncio.to_thread(self.timeline.write, self.cfg.timeline_file)
+            logger.info("engine timeline written to %s", self.cfg.timeline_file)
 
     def _engine_died(self, exc: BaseException) -> None:
         logger.error("prefill engine died: %r; reporting NOT_SERVING", exc)
@@ -111,7 +130,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             await anext(incoming, None), self._engine().core.max_model_len
         )
         acks = _acks(incoming)
-        events = self.handoff.run(order, acks, context.time_remaining())
+        parent = context_from_metadata(context.invocation_metadata())
+        events = self.handoff.run(order, acks, context.time_remaining(), trace_context=parent)
         async with contextlib.aclosing(events):
             async for event in events:
                 yield prefill_event_to_proto(order.request_id, event)

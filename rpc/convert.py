@@ -8,10 +8,11 @@ starts with the proto field's path (``sampling_params.top_p must be in (0, 1] ..
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from engine.kv_layout import KVLayout
-from engine.request import FinishReason, RequestOutput, TokenLogprob
+from engine.request import FinishReason, RequestOutput, RequestTimings, TokenLogprob
 from engine.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 from engine.stats import EngineStats
 from engine.transfer.base import KVDescriptor, KVEndpoint
@@ -39,6 +40,8 @@ _DTYPE_TO_PROTO = {
     "float16": kv_pb2.KV_DTYPE_FLOAT16,
 }
 _DTYPE_FROM_PROTO = {v: k for k, v in _DTYPE_TO_PROTO.items()}
+
+_TIMING_FIELDS = tuple(f.name for f in dataclasses.fields(RequestTimings))
 
 
 def _field_error(path: str, exc: ValueError) -> ValueError:
@@ -130,6 +133,24 @@ def usage_to_proto(
     )
 
 
+def request_timings_to_proto(timings: RequestTimings) -> common_pb2.RequestTimings:
+    return common_pb2.RequestTimings(**timings.as_dict())
+
+
+def request_timings_from_proto(
+    msg: common_pb2.RequestTimings, *, path: str = "timings"
+) -> RequestTimings:
+    """The phases set in ``msg``; ValueError for one that is negative or not finite."""
+    known: dict[str, float] = {}
+    for name in _TIMING_FIELDS:
+        if msg.HasField(name):
+            value = getattr(msg, name)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{path}.{name} must be a finite number >= 0, got {value}")
+            known[name] = value
+    return RequestTimings(**known)
+
+
 # --- request outputs -----------------------------------------------------------------
 
 
@@ -148,6 +169,8 @@ def decode_response_from_output(
         msg.usage.CopyFrom(
             usage_to_proto(out.num_prompt_tokens, completion_tokens, out.num_cached_tokens)
         )
+    if out.timings is not None:
+        msg.timings.CopyFrom(request_timings_to_proto(out.timings))
     return msg
 
 
@@ -161,6 +184,7 @@ def output_from_decode_response(request_id: str, msg: worker_pb2.DecodeResponse)
         finish_reason=finish_reason_from_proto(msg.finish_reason),
         num_prompt_tokens=usage.prompt_tokens if usage is not None else 0,
         num_cached_tokens=usage.cached_tokens if usage is not None else 0,
+        timings=request_timings_from_proto(msg.timings) if msg.HasField("timings") else None,
     )
 
 

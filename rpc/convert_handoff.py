@@ -17,6 +17,8 @@ from protos.baton.v1 import worker_pb2
 from rpc.convert import (
     kv_descriptor_from_proto,
     kv_descriptor_to_proto,
+    request_timings_from_proto,
+    request_timings_to_proto,
     sampling_params_from_proto,
     sampling_params_to_proto,
     token_logprob_from_proto,
@@ -100,15 +102,16 @@ def prefill_event_to_proto(request_id: str, event: PrefillEvent) -> worker_pb2.P
             first.logprob.CopyFrom(token_logprob_to_proto(event.logprob))
         return worker_pb2.PrefillServerMessage(first_token=first)
     assert isinstance(event, TransferDone)
-    return worker_pb2.PrefillServerMessage(
-        transfer_complete=worker_pb2.TransferComplete(
-            request_id=request_id,
-            checksum=event.checksum,
-            epoch=event.epoch,
-            num_bytes=event.num_bytes,
-            fleet_mac=event.mac,
-        )
+    done = worker_pb2.TransferComplete(
+        request_id=request_id,
+        checksum=event.checksum,
+        epoch=event.epoch,
+        num_bytes=event.num_bytes,
+        fleet_mac=event.mac,
     )
+    if event.timings is not None:
+        done.timings.CopyFrom(request_timings_to_proto(event.timings))
+    return worker_pb2.PrefillServerMessage(transfer_complete=done)
 
 
 def prefill_event_from_proto(msg: worker_pb2.PrefillServerMessage) -> PrefillEvent:
@@ -130,7 +133,10 @@ def prefill_event_from_proto(msg: worker_pb2.PrefillServerMessage) -> PrefillEve
         )
     if which == "transfer_complete":
         done = msg.transfer_complete
-        return TransferDone(done.checksum, done.epoch, done.num_bytes, done.fleet_mac)
+        timings = None
+        if done.HasField("timings"):
+            timings = request_timings_from_proto(done.timings, path="transfer_complete.timings")
+        return TransferDone(done.checksum, done.epoch, done.num_bytes, done.fleet_mac, timings)
     raise ValueError(
         "a Prefill stream message must set one of progress, first_token, transfer_complete"
     )

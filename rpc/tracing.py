@@ -16,6 +16,7 @@ in one step would leak into the caller, so parents are always passed explicitly.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
 
@@ -28,6 +29,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from opentelemetry.trace.status import Status, StatusCode
 
 REQUEST_ID = "baton.request_id"  # the span attribute naming the request
+CANCELLED = "baton.cancelled"  # set on a span whose work was cancelled
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 
@@ -80,12 +82,17 @@ def span(
     kind: trace.SpanKind = trace.SpanKind.INTERNAL,
 ) -> Iterator[trace.Span]:
     """A span under ``parent``, ended on exit; an exception escaping the block is recorded
-    on it (status ERROR) and re-raised. The span is never made current (see module doc)."""
+    on it (status ERROR) and re-raised. Being cancelled (the caller went away, or ended
+    the stream on a stop string) is not a failure: the span gets ``baton.cancelled``.
+    The span is never made current (see module doc)."""
     attributes = {REQUEST_ID: request_id} if request_id is not None else None
     s = tracer.start_span(name, context=parent, kind=kind, attributes=attributes)
     try:
         yield s
     except GeneratorExit:  # a consumer closed the stream early: not a failure
+        raise
+    except asyncio.CancelledError:
+        s.set_attribute(CANCELLED, True)
         raise
     except BaseException as exc:
         s.record_exception(exc)
@@ -93,6 +100,27 @@ def span(
         raise
     finally:
         s.end()
+
+
+def record_span(
+    tracer: trace.Tracer,
+    name: str,
+    parent: Context | None,
+    start_ns: int,
+    end_ns: int,
+    *,
+    request_id: str | None = None,
+    error: BaseException | None = None,
+) -> trace.Span:
+    """A span for a phase measured elsewhere (e.g. by the engine thread), given its start
+    and end in ``time.time_ns()`` units; ``error`` sets status ERROR. Already ended."""
+    attributes = {REQUEST_ID: request_id} if request_id is not None else None
+    s = tracer.start_span(name, context=parent, attributes=attributes, start_time=start_ns)
+    if error is not None:
+        s.record_exception(error)
+        s.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+    s.end(end_time=max(start_ns, end_ns))
+    return s
 
 
 def child_context(s: trace.Span) -> Context:

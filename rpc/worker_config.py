@@ -76,6 +76,13 @@ class WorkerConfig:
     # Decode: the prefill workers it may dial (host, host:port or dns:///name:port);
     # empty: any.
     prefill_allow: tuple[str, ...] = ()
+    # --- observability (rpc.tracing, engine.timeline) ---
+    # Export the request spans over OTLP/gRPC to this URL (http://host:4317); None: the
+    # trace context still propagates, nothing is exported.
+    otlp_endpoint: str | None = None
+    # Write a Chrome/Perfetto trace of the engine loop and the transfer worker here on
+    # shutdown; None: nothing is recorded.
+    timeline_file: Path | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -115,7 +122,6 @@ class WorkerConfig:
                 raise ValueError("tls_cert, tls_key and tls_ca must be given together (mTLS)")
         if self.prefill_allow and self.role == "prefill":
             raise ValueError("prefill_allow applies to decode workers only")
-
 
     @property
     def tls(self) -> TlsFiles:
@@ -253,6 +259,8 @@ _FIELDS: dict[str, tuple[Callable[[str], Any], str]] = {
     "enable_reflection": (_bool, "worker"),
     "fleet_secret_file": (Path, "worker"),
     "prefill_allow": (_list, "worker"),
+    "otlp_endpoint": (str, "worker"),
+    "timeline_file": (Path, "worker"),
 }
 
 _HELP = {
@@ -296,6 +304,9 @@ _HELP = {
     "fleet_secret_file": "file with the fleet's shared secret for the KV hand-off",
     "prefill_allow": "decode: prefill workers it may dial (host, host:port, dns:///name:port; "
     "comma-separated or repeated); default any",
+    "otlp_endpoint": "export trace spans over OTLP/gRPC to this URL (http://host:4317)",
+    "timeline_file": "write a Chrome/Perfetto trace JSON of the engine loop and the transfer "
+    "worker to this file on shutdown",
 }
 
 

@@ -38,6 +38,8 @@ class Script:
     hang: bool = False  # after the tokens: wait until cancelled instead of finishing
     finish_reason: int = common_pb2.FINISH_REASON_STOP
     cached_tokens: int = 0
+    # Sent on the first message, as a decode worker reports its hand-off's phases.
+    timings: common_pb2.RequestTimings | None = None
 
 
 def worker_stats(role: int, **fields: int) -> worker_pb2.WorkerStats:
@@ -81,12 +83,12 @@ class FakeDecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
                 if script.delay_s:
                     await asyncio.sleep(script.delay_s)
                 last = sent == len(chunks) - 1 and not script.hang
-                yield self._response(request, script, chunk, want_logprobs, last)
+                yield self._response(request, script, chunk, want_logprobs, last, sent == 0)
             self._maybe_fail(script, len(chunks))
             if script.hang:
                 await asyncio.Event().wait()
             if not chunks:
-                yield self._response(request, script, [], want_logprobs, True)
+                yield self._response(request, script, [], want_logprobs, True, True)
             self.completed.append(rid)
         except asyncio.CancelledError:
             self.cancelled.append(rid)
@@ -105,8 +107,11 @@ class FakeDecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
         chunk: list[int],
         want_logprobs: bool,
         last: bool,
+        first: bool,
     ) -> worker_pb2.DecodeResponse:
         msg = worker_pb2.DecodeResponse(token_ids=chunk)
+        if first and script.timings is not None:
+            msg.timings.CopyFrom(script.timings)
         if want_logprobs:
             msg.logprobs.extend(
                 common_pb2.TokenLogprob(token_id=t, logprob=-0.5, rank=1) for t in chunk

@@ -17,7 +17,7 @@ import grpc
 import grpc.aio
 import pytest
 
-from protos.baton.v1 import generate_pb2_grpc
+from protos.baton.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from protos.client import (
     AsyncClient,
     Chunk,
@@ -353,3 +353,19 @@ async def test_cli_streams_to_stdout_and_reports_to_stderr(
     request = gateway.requests[0]
     assert [(m.role, m.content) for m in request.chat.messages] == [("system", "S"), ("user", "hi")]
     assert request.sampling_params.max_tokens == 3
+
+
+def test_the_last_chunk_and_the_completion_carry_the_timings() -> None:
+    last = generate_pb2.GenerateResponse(
+        request_id="r",
+        token_ids=[5],
+        text="x",
+        finish_reason=common_pb2.FINISH_REASON_LENGTH,
+        usage=common_pb2.Usage(prompt_tokens=2, completion_tokens=2),
+        timings=common_pb2.RequestTimings(queued_s=0.0, first_token_s=0.25, total_s=1.5),
+    )
+    middle = Chunk.from_proto(generate_pb2.GenerateResponse(request_id="r", token_ids=[4]))
+    chunk = Chunk.from_proto(last)
+    assert middle.timings is None
+    assert chunk.timings == {"queued_s": 0.0, "first_token_s": 0.25, "total_s": 1.5}
+    assert Completion.from_chunks([middle, chunk]).timings == chunk.timings

@@ -16,12 +16,18 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 import torch
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import Tracer
 
 from decode_service.handoff import DecodeHandoff, HandoffLimits
 from decode_service.kv_inbox import KVInbox
 from engine.async_engine import AsyncEngine
 from engine.errors import AbortedError, DeadlineExceededError, PermissionDeniedError
-from engine.request import RequestOutput
+from engine.request import RequestOutput, RequestTimings
 from engine.sampling_params import SamplingParams
 from engine.transfer.base import SendJob, TransferConfig
 from engine.transfer.factory import make_sender
@@ -36,6 +42,7 @@ from engine.transfer.handoff import (
     TransferDone,
     order_is_signed,
 )
+from rpc.tracing import CANCELLED, REQUEST_ID
 from tests.engine_helpers import make_core
 
 STALL_S = 0.4
@@ -75,6 +82,7 @@ class Rig:
         self.inbox = inbox
         self.links: list[ScriptedLink] = []
         self.opened: list[tuple[str, float | None]] = []
+        self.contexts: list[Context | None] = []  # the trace context each link carried
         self.script: Callable[[ScriptedLink, PrefillOrder], None] = lambda link, order: None
         layout = engine.core.layout
         gen = torch.Generator().manual_seed(0)
@@ -84,17 +92,32 @@ class Rig:
         # One layer per group, so a sender can be frozen between groups.
         self.sender = make_sender("shm", self.source, layout, TransferConfig(group_bytes=1))
 
-    def handoff(self, stall_s: float = STALL_S, fleet_key: FleetKey | None = None) -> DecodeHandoff:
-        def open_link(address: str, remaining: float | None) -> ScriptedLink:
+    def handoff(
+        self,
+        stall_s: float = STALL_S,
+        fleet_key: FleetKey | None = None,
+        tracer: Tracer | None = None,
+    ) -> DecodeHandoff:
+        def open_link(
+            address: str, remaining: float | None, trace_context: Context | None
+        ) -> ScriptedLink:
             self.opened.append((address, remaining))
+            self.contexts.append(trace_context)
             link = ScriptedLink(self.script)
             self.links.append(link)
             return link
 
         limits = HandoffLimits(stall_s, 1.0)
-        return DecodeHandoff(self.engine, self.inbox, limits, open_link, fleet_key)
+        return DecodeHandoff(self.engine, self.inbox, limits, open_link, fleet_key, tracer)
 
-    def transfer(self, link: ScriptedLink, order: PrefillOrder, *, sender: str = "s1") -> None:
+    def transfer(
+        self,
+        link: ScriptedLink,
+        order: PrefillOrder,
+        *,
+        sender: str = "s1",
+        timings: RequestTimings | None = None,
+    ) -> None:
         """Really write the blocks, then report FirstToken and TransferDone."""
         link.events.put_nowait(FirstToken(7, None, 0, sender))
         src = tuple(range(len(order.descriptor.block_ids)))
@@ -106,7 +129,12 @@ class Rig:
             (completion,) = done
             if completion.ok:
                 link.events.put_nowait(
-                    TransferDone(completion.checksum or 0, completion.epoch, completion.num_bytes)
+                    TransferDone(
+                        completion.checksum or 0,
+                        completion.epoch,
+                        completion.num_bytes,
+                        timings=timings,
+                    )
                 )
 
         asyncio.get_running_loop().create_task(report())
@@ -153,6 +181,74 @@ async def test_a_correct_hand_off_decodes_and_acks(rig: Rig) -> None:
     assert len(tokens) == PARAMS.max_tokens and tokens[0] == 7
     (link,) = rig.links
     assert isinstance(link.sent[0], PrefillOrder) and link.sent[1] == Ack(True, "")
+    await rig.settle()
+
+
+async def test_spans_and_first_output_timings_of_a_hand_off(rig: Rig) -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    caller = trace.SpanContext(0xABC, 0xDEF, is_remote=True, trace_flags=trace.TraceFlags(1))
+    parent = trace.set_span_in_context(trace.NonRecordingSpan(caller))
+    # Prefill's phases, and one it has no say in (decode's own reservation).
+    reported = RequestTimings(queued_s=0.125, prefill_s=0.25, transfer_s=0.5, reserved_s=9.0)
+    rig.script = lambda link, order: rig.transfer(link, order, timings=reported)
+    handoff = rig.handoff(tracer=provider.get_tracer("test"))
+    outs = [o async for o in handoff.run("t1", PROMPT, PARAMS, "p:1", None, trace_context=parent)]
+    first = outs[0].timings
+    assert first is not None and first.reserved_s is not None and 0 <= first.reserved_s < 5
+    assert (first.queued_s, first.prefill_s, first.transfer_s) == (0.125, 0.25, 0.5)
+    assert all(o.timings is None for o in outs[1:])  # the servicer stamps the rest
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert set(spans) == {"decode.reserve", "decode.wait_kv", "decode.decode"}
+    for s in spans.values():
+        assert s.parent is not None and s.parent.span_id == 0xDEF and s.context.trace_id == 0xABC
+        assert s.attributes[REQUEST_ID] == "t1"
+    # The prefill stream carried decode.wait_kv as its parent.
+    (carried,) = rig.contexts
+    assert trace.get_current_span(carried).get_span_context() == spans["decode.wait_kv"].context
+    assert spans["decode.reserve"].end_time <= spans["decode.wait_kv"].start_time
+    assert spans["decode.wait_kv"].end_time <= spans["decode.decode"].start_time
+    await rig.settle()
+
+
+async def test_a_failed_hand_off_is_an_error_span(rig: Rig) -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    rig.script = lambda link, order: link.events.put_nowait(None)  # prefill hangs up
+    with pytest.raises(AbortedError):
+        await _collect(
+            rig.handoff(tracer=provider.get_tracer("test")).run("t2", PROMPT, PARAMS, "p:1", None)
+        )
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert set(spans) == {"decode.reserve", "decode.wait_kv"}
+    assert spans["decode.wait_kv"].status.status_code is trace.StatusCode.ERROR
+    await rig.settle()
+
+
+async def test_a_cancelled_stream_is_no_error_span(rig: Rig) -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    rig.script = rig.transfer
+    long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    handoff = rig.handoff(tracer=provider.get_tracer("test"))
+    first = asyncio.Event()
+
+    async def consume() -> None:
+        async for _ in handoff.run("t3", PROMPT, long, "p:1", None):
+            first.set()
+
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(first.wait(), 10)
+    task.cancel()  # the gateway went away mid-stream
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    decode = spans["decode.decode"]
+    assert decode.attributes[CANCELLED] is True
+    assert decode.status.status_code is trace.StatusCode.UNSET
     await rig.settle()
 
 

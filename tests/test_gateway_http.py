@@ -79,6 +79,48 @@ async def test_chat_stream_chunks_and_usage(served_smollm2: ServedModel) -> None
     assert len(body) == len(output)
 
 
+WORKER_PHASES = common_pb2.RequestTimings(
+    reserved_s=0.001, queued_s=0.002, prefill_s=0.003, transfer_s=0.004
+)
+GATEWAY_PHASES = ("first_token_s", "decode_s", "total_s")
+
+
+def assert_timings(timings: dict[str, float]) -> None:
+    assert {k: timings[k] for k in ("reserved_s", "queued_s", "prefill_s", "transfer_s")} == {
+        "reserved_s": 0.001,
+        "queued_s": 0.002,
+        "prefill_s": 0.003,
+        "transfer_s": 0.004,
+    }
+    assert set(timings) == {*GATEWAY_PHASES, "reserved_s", "queued_s", "prefill_s", "transfer_s"}
+    assert timings["first_token_s"] + timings["decode_s"] == pytest.approx(timings["total_s"])
+
+
+async def test_baton_timings_on_the_response_and_on_the_last_chunk(
+    served_smollm2: ServedModel,
+) -> None:
+    decode = FakeDecodeWorker()
+    decode.script = Script(token_ids=(10, 11, 12, 13), timings=WORKER_PHASES, delay_s=0.01)
+    async with fake_workers([decode]) as (d, _), running_http(served_smollm2, d) as gw:
+        whole = await gw.client.completions.create(model=MODEL, prompt="hi", max_tokens=4)
+        assert_timings((whole.model_extra or {})["baton_timings"])
+        assert whole.model_extra["baton_timings"]["decode_s"] >= 0.02
+        for include_usage in (False, True):
+            stream = await gw.client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "hi"}],
+                stream=True,
+                stream_options={"include_usage": include_usage},
+            )
+            chunks = [c async for c in stream]
+            carrying = [i for i, c in enumerate(chunks) if "baton_timings" in (c.model_extra or {})]
+            assert carrying == [len(chunks) - 1], include_usage
+            last = chunks[-1]
+            assert (last.usage is not None) == include_usage
+            assert bool(last.choices) != include_usage  # the usage chunk has no choices
+            assert_timings(last.model_extra["baton_timings"])
+
+
 async def test_sampling_parameters_reach_decode(served_smollm2: ServedModel) -> None:
     decode = FakeDecodeWorker()
     async with fake_workers([decode]) as (d, _), running_http(served_smollm2, d) as gw:
@@ -393,3 +435,14 @@ def test_baton_serve_passes_the_http_port_on() -> None:
     assert _spec(args, args.gateway_port, args.http_port).http_port == 8000
     args = _parser().parse_args(["serve"])
     assert _spec(args, args.gateway_port, args.http_port).http_port is None
+
+
+def test_the_finish_line_timings_read_back() -> None:
+    from engine.request import RequestTimings
+    from gateway.generation import describe_timings, parse_timings
+
+    timings = RequestTimings(queued_s=0.004, prefill_s=1.25, first_token_s=1.3, decode_s=2.0)
+    line = f"request r-1: finished (length) with 9 tokens in 3.300s; {describe_timings(timings)}"
+    assert "reserved=- " in line and "transfer=- " in line
+    assert parse_timings(line) == timings
+    assert parse_timings("request r-2: failed") == RequestTimings()

@@ -12,6 +12,11 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import Tracer
 
 from engine.async_engine import AsyncEngine
 from engine.errors import AbortedError, LayoutMismatchError, PermissionDeniedError
@@ -30,6 +35,7 @@ from engine.transfer.handoff import (
 )
 from prefill_service.handoff import PrefillHandoff, PrefillLimits
 from prefill_service.kv_outbox import KVOutbox
+from rpc.tracing import REQUEST_ID
 from tests.engine_helpers import make_core
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -43,10 +49,17 @@ class Rig:
         self.outbox = outbox
         self.receiver = receiver
 
-    def handoff(self, fleet_key: FleetKey | None = None, **limits: float) -> PrefillHandoff:
+    def handoff(
+        self, fleet_key: FleetKey | None = None, tracer: Tracer | None = None, **limits: float
+    ) -> PrefillHandoff:
         values = {"stall_s": 2.0, "beat_s": STEP_S / 2, **limits}
         return PrefillHandoff(
-            self.engine, self.outbox, self.engine.core.layout, PrefillLimits(**values), fleet_key
+            self.engine,
+            self.outbox,
+            self.engine.core.layout,
+            PrefillLimits(**values),
+            fleet_key,
+            tracer,
         )
 
     def order(self, rid: str, prompt: tuple[int, ...] = PROMPT, blocks: int = 5) -> PrefillOrder:
@@ -103,6 +116,52 @@ async def test_a_long_prefill_beats_then_hands_off(rig: Rig) -> None:
     assert first.sender_incarnation == rig.outbox.sender.incarnation
     done = next(e for e in events if isinstance(e, TransferDone))
     rig.receiver.verify("p1", done.checksum, done.epoch)
+    await rig.settle()
+
+
+def _in_memory() -> tuple[Tracer, InMemorySpanExporter]:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return provider.get_tracer("test"), exporter
+
+
+async def test_spans_and_timings_of_a_hand_off(rig: Rig) -> None:
+    tracer, exporter = _in_memory()
+    caller = trace.SpanContext(0x123, 0x456, is_remote=True, trace_flags=trace.TraceFlags(1))
+    parent = trace.set_span_in_context(trace.NonRecordingSpan(caller))
+    handoff = rig.handoff(tracer=tracer)
+    events = [
+        e async for e in handoff.run(rig.order("s1"), _acks(Ack(True)), None, trace_context=parent)
+    ]
+    done = next(e for e in events if isinstance(e, TransferDone))
+    timings = done.timings
+    assert timings is not None
+    assert timings.queued_s is not None and timings.queued_s >= 0
+    # Five chunked steps of at least STEP_S each.
+    assert timings.prefill_s is not None and timings.prefill_s >= 5 * STEP_S * 0.9
+    assert timings.transfer_s is not None and timings.transfer_s >= 0
+    assert (timings.reserved_s, timings.first_token_s, timings.decode_s) == (None, None, None)
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert set(spans) == {"prefill.queue", "prefill.prefill", "prefill.transfer"}
+    for s in spans.values():
+        assert s.parent is not None and s.parent.span_id == 0x456 and s.context.trace_id == 0x123
+        assert s.attributes[REQUEST_ID] == "s1"
+    assert spans["prefill.queue"].end_time == spans["prefill.prefill"].start_time
+    assert spans["prefill.prefill"].end_time <= spans["prefill.transfer"].start_time
+    rig.receiver.verify("s1", done.checksum, done.epoch)
+    await rig.settle()
+
+
+async def test_a_prefill_that_never_ran_is_one_failed_span(rig: Rig) -> None:
+    tracer, exporter = _in_memory()
+    handoff = rig.handoff(tracer=tracer)
+    events = handoff.run(rig.order("s2"), _acks(Ack(True)), None)
+    await anext(events)  # a progress beat: the request is in the engine
+    await events.aclose()  # decode went away
+    (span,) = exporter.get_finished_spans()
+    assert span.name == "prefill.prefill" and span.status.status_code is trace.StatusCode.UNSET
+    rig.receiver.cancel("s2")
     await rig.settle()
 
 

@@ -7,10 +7,12 @@ import math
 import pytest
 
 from engine.kv_layout import KVLayout
-from engine.request import FinishReason, RequestOutput, TokenLogprob
+from engine.request import FinishReason, RequestOutput, RequestTimings, TokenLogprob
 from engine.sampling_params import SamplingParams
+from engine.transfer.handoff import TransferDone
 from protos.baton.v1 import common_pb2, kv_pb2, worker_pb2
 from rpc import convert
+from rpc.convert_handoff import prefill_event_from_proto, prefill_event_to_proto
 
 
 def full_params() -> SamplingParams:
@@ -145,6 +147,7 @@ def test_token_logprob_round_trip() -> None:
             num_cached_tokens=4,
         ),
         RequestOutput("r1", [], finish_reason=FinishReason.ABORT, num_prompt_tokens=3),
+        RequestOutput("r1", [5], timings=RequestTimings(reserved_s=0.0, first_token_s=0.25)),
     ],
 )
 def test_decode_response_round_trip(out: RequestOutput) -> None:
@@ -204,3 +207,40 @@ def test_kv_layout_missing_field_is_named(field: str) -> None:
     msg.ClearField(field)
     with pytest.raises(ValueError, match=rf"^kv\.layout\.{field}\b"):
         convert.kv_layout_from_proto(msg, path="kv.layout")
+
+
+# --- timings ---------------------------------------------------------------------------
+
+
+def test_timings_round_trip_keeps_unknown_phases_unset() -> None:
+    timings = RequestTimings(queued_s=0.0, prefill_s=0.5, transfer_s=1e-6, total_s=3.0)
+    wire = common_pb2.RequestTimings.FromString(
+        convert.request_timings_to_proto(timings).SerializeToString()
+    )
+    assert not wire.HasField("reserved_s") and wire.HasField("queued_s")
+    assert convert.request_timings_from_proto(wire) == timings
+
+
+@pytest.mark.parametrize("value", [-0.5, math.inf, math.nan])
+def test_a_bad_timing_names_its_field(value: float) -> None:
+    with pytest.raises(ValueError, match=r"^transfer_complete\.timings\.decode_s must be"):
+        convert.request_timings_from_proto(
+            common_pb2.RequestTimings(decode_s=value), path="transfer_complete.timings"
+        )
+
+
+def test_timings_merge_newer_known_phases_only() -> None:
+    old = RequestTimings(queued_s=1.0, reserved_s=2.0)
+    assert old.merged(RequestTimings(reserved_s=3.0, decode_s=4.0)) == RequestTimings(
+        queued_s=1.0, reserved_s=3.0, decode_s=4.0
+    )
+    assert old.merged(None) is old
+    assert old.as_dict() == {"queued_s": 1.0, "reserved_s": 2.0}
+
+
+def test_transfer_done_carries_prefills_timings() -> None:
+    timings = RequestTimings(queued_s=0.01, prefill_s=0.2, transfer_s=0.003)
+    for done in (TransferDone(9, 2, 4096, b"mac", timings), TransferDone(9, 2, 4096)):
+        msg = prefill_event_to_proto("r1", done)
+        wire = worker_pb2.PrefillServerMessage.FromString(msg.SerializeToString())
+        assert prefill_event_from_proto(wire) == done

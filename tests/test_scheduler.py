@@ -850,3 +850,40 @@ def test_colliding_block_hash_does_not_serve_another_prefixs_kv(
 @given(w=workloads(remote=True))
 def test_random_workloads_with_remote_kv_finish_without_leaks(w: dict) -> None:
     run_workload(w)
+
+
+# -- timings --------------------------------------------------------------------------
+
+
+def test_the_first_token_carries_the_queue_and_prefill_time() -> None:
+    sched = make_scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=4)
+    runner = FakeRunner(sched.pool)
+    r = make_request("r", prompt(5, 10), max_tokens=3)
+    r.arrival_time -= 0.5  # it waited half a second before its first step
+    sched.add(r)
+    outs = []
+    while sched.has_work():
+        step = sched.schedule()
+        outs += sched.update(step, runner.execute(step))
+    assert [len(o.new_token_ids) for o in outs] == [1, 1, 1]
+    first = outs[0].timings
+    assert first is not None and first.queued_s is not None and first.prefill_s is not None
+    assert 0.5 <= first.queued_s < 5 and 0 <= first.prefill_s < 5
+    assert (first.transfer_s, first.decode_s) == (None, None)
+    assert all(o.timings is None for o in outs[1:])
+
+
+def test_a_request_whose_kv_arrived_has_no_engine_timings() -> None:
+    """Its queue and prefill happened on the prefill worker, which reports them."""
+    sched = make_scheduler(num_blocks=8, block_size=4)
+    runner = FakeRunner(sched.pool)
+    r = make_request("r", prompt(4, 10), max_tokens=3)
+    sched.reserve_remote(r)
+    runner.write(r.block_ids, 0, r.prompt_token_ids)
+    assert sched.remote_kv_ready("r", 7) is None  # decode streamed the first token itself
+    outs = []
+    while sched.has_work():
+        step = sched.schedule()
+        outs += sched.update(step, runner.execute(step))
+    assert len(outs) == 2 and all(o.timings is None for o in outs)
+    assert r.scheduled_time is None

@@ -52,10 +52,16 @@ def find_libgomp(python: Path) -> Path | None:
 
 def child_env(python: Path, spec: RunSpec, base: dict[str, str]) -> dict[str, str]:
     """The environment the vLLM child runs in: ``base`` plus the bench README's settings."""
+    return vllm_env(python, spec.kv_cache_gib, f"0-{spec.threads - 1}", base)
+
+
+def vllm_env(python: Path, kv_cache_gib: float, cores: str, base: dict[str, str]) -> dict[str, str]:
+    """``base`` plus the bench README's settings: KV space, OpenMP threads bound to
+    ``cores`` (``0-1``: one per core; unbound, vLLM-CPU computes on one thread) and
+    that environment's libgomp preloaded."""
     env = dict(base)
-    env["VLLM_CPU_KVCACHE_SPACE"] = f"{spec.kv_cache_gib:g}"
-    # Binding one OpenMP thread per core; unbound, vLLM-CPU computes on one thread.
-    env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{spec.threads - 1}"
+    env["VLLM_CPU_KVCACHE_SPACE"] = f"{kv_cache_gib:g}"
+    env["VLLM_CPU_OMP_THREADS_BIND"] = cores
     gomp = find_libgomp(python)
     if gomp is not None:
         env["LD_PRELOAD"] = ":".join(p for p in (str(gomp), base.get("LD_PRELOAD", "")) if p)
@@ -66,9 +72,7 @@ def run(spec: RunSpec) -> RunResult:
     from vllm import LLM, SamplingParams
 
     requests = load_workload(Path(spec.workload), spec.limit)
-    llm = LLM(
-        model=spec.model_dir, dtype=spec.dtype, max_model_len=spec.max_model_len, seed=0
-    )
+    llm = LLM(model=spec.model_dir, dtype=spec.dtype, max_model_len=spec.max_model_len, seed=0)
     try:
         llm.generate(
             [{"prompt_token_ids": warmup_prompt()}],

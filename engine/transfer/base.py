@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from engine.errors import BatonError
 from engine.kv_layout import KVLayout
+from engine.timeline import OFF, TimelineRecorder
 from engine.transfer.fleet_auth import FleetKey
 
 if TYPE_CHECKING:
@@ -173,6 +174,8 @@ class KVSender(ABC):
     """
 
     incarnation: str  # uuid4 hex, fixed at construction
+    # Where each job's ``send`` span goes (engine.timeline); set before the first job.
+    timeline: TimelineRecorder = OFF
 
     @abstractmethod
     def submit(self, job: SendJob) -> None:
@@ -215,6 +218,8 @@ class KVReceiver(ABC):
     """
 
     incarnation: str  # uuid4 hex, fixed at construction
+    # Where each lease and verify span goes (engine.timeline); set before the first lease.
+    timeline: TimelineRecorder = OFF
 
     @property
     @abstractmethod

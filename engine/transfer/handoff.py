@@ -29,7 +29,7 @@ import enum
 import hmac
 from dataclasses import dataclass
 
-from engine.request import TokenLogprob
+from engine.request import RequestTimings, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.transfer.base import KVDescriptor
 from engine.transfer.fleet_auth import FleetKey
@@ -82,6 +82,9 @@ class TransferDone:
     num_bytes: int
     # ``done_tag`` under the fleet's secret; empty when the fleet has none.
     mac: bytes = b""
+    # The prefill worker's phases of the request (queued, prefill, transfer); reported
+    # for the request's timings, never trusted for a decision (so not signed).
+    timings: RequestTimings | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,7 +4,9 @@ A lease lives from ``expect`` to its one completion. Ending it (verified, cancel
 expired, closed) is always the same three steps on the worker thread: revoke it so no
 new write can start, wait until no peer is mid-write, then (for a verify) recompute the
 checksum and queue the completion. A backend says how to revoke, how to tell that
-writers are idle and when the data has arrived.
+writers are idle and when the data has arrived. Each lease (granted to ended) and its
+checksum ``verify`` are spans on the ``timeline``'s ``kv receive`` track
+(engine.timeline; OFF unless the owner sets one before the first lease).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from engine.errors import (
     UnavailableError,
 )
 from engine.kv_layout import KVLayout
+from engine.timeline import RECEIVE
 from engine.transfer.base import (
     KVDescriptor,
     KVEndpoint,
@@ -68,6 +71,7 @@ class Lease:
     receiving: bool = False
     arrived: bool = False
     busy: bool = False  # a receive thread is writing the blocks right now
+    granted_ns: int = 0  # time.perf_counter_ns() of expect(), for the timeline
 
     @property
     def ending(self) -> bool:
@@ -121,10 +125,18 @@ class LeaseReceiver(KVReceiver):
             raise ValueError(f"request {request_id}: block_ids must be non-empty")
         bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
         if bad or len(set(block_ids)) != len(block_ids):
-            raise ValueError(f"request {request_id}: block_ids {block_ids} repeat or leave "
-                             f"[0, {self.num_blocks})")
-        lease = Lease(request_id, block_ids, int(epoch), float(deadline),
-                      secrets.randbits(62) + 1)
+            raise ValueError(
+                f"request {request_id}: block_ids {block_ids} repeat or leave "
+                f"[0, {self.num_blocks})"
+            )
+        lease = Lease(
+            request_id,
+            block_ids,
+            int(epoch),
+            float(deadline),
+            secrets.randbits(62) + 1,
+            granted_ns=time.perf_counter_ns(),
+        )
         with self._cond:
             if self._closing:
                 raise UnavailableError(f"request {request_id}: {self.kind} receiver is closed")
@@ -287,9 +299,13 @@ class LeaseReceiver(KVReceiver):
             drained = waited > self.config.drain_s
             if drained and not lease.quarantined:
                 lease.quarantined = True
-                logger.error("request %s: a live peer still claims %d block(s) %.1f s after "
-                             "the lease ended; quarantined until it lets go or dies",
-                             lease.request_id, len(lease.block_ids), self.config.drain_s)
+                logger.error(
+                    "request %s: a live peer still claims %d block(s) %.1f s after "
+                    "the lease ended; quarantined until it lets go or dies",
+                    lease.request_id,
+                    len(lease.block_ids),
+                    self.config.drain_s,
+                )
             timeout = min(timeout, _QUARANTINE_POLL_S if drained else _DRAIN_POLL_S)
         for lease in finished:
             del self._leases[lease.request_id]
@@ -317,11 +333,20 @@ class LeaseReceiver(KVReceiver):
     def _finish(self, lease: Lease) -> None:
         error = lease.outcome
         if error is None:
-            error = self._check(lease)
+            with self.timeline.span("verify", RECEIVE, {"request_id": lease.request_id}):
+                error = self._check(lease)
         with self._cond:
             for block in lease.block_ids:
                 self._held.pop(block, None)
             self._done.append(RecvCompletion(lease.request_id, lease.epoch, error))
+        if self.timeline.enabled:
+            args: dict[str, object] = {
+                "request_id": lease.request_id,
+                "blocks": len(lease.block_ids),
+            }
+            if error is not None:
+                args["error"] = type(error).__name__
+            self.timeline.interval("lease", RECEIVE, lease.granted_ns, lease.request_id, args)
         if error is None:
             logger.debug("request %s: KV verified", lease.request_id)
         else:
@@ -335,8 +360,14 @@ class LeaseReceiver(KVReceiver):
         if self._staging is None:
             self._staging = Staging(kv.device)
             self._verify_pool = HostPool(kv) if kv.device.type == "cpu" else None
-        actual = checksum_blocks(kv, self.layout, lease.block_ids, self.config.group_bytes,
-                                 self._staging, self._verify_pool)
+        actual = checksum_blocks(
+            kv,
+            self.layout,
+            lease.block_ids,
+            self.config.group_bytes,
+            self._staging,
+            self._verify_pool,
+        )
         if actual != lease.reported_checksum:
             return AbortedError(
                 f"request {lease.request_id}: checksum mismatch, prefill reported "

@@ -5,6 +5,8 @@ and the link's ``send``. Links are created, used and closed on the worker thread
 A link is dropped when a descriptor names another incarnation at its address, when its
 receiver is gone (``PeerLink.gone``), or after ``peer_idle_s`` without a job, so a dead
 or departed decode worker's mapping or process group never outlives it for long.
+Each job is a ``send`` span on the ``timeline``'s ``kv send`` track (engine.timeline;
+OFF unless the owner sets one before the first job).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from engine.errors import (
     UnavailableError,
 )
 from engine.kv_layout import BLOCK_DIM, KVLayout
+from engine.timeline import SEND
 from engine.transfer.base import (
     KVEndpoint,
     KVSender,
@@ -122,8 +125,12 @@ class QueuedSender(KVSender):
                 raise UnavailableError(f"request {job.request_id}: {self.kind} sender is closed")
             self._queue.append(job)
             self._cond.notify()
-        logger.debug("request %s: queued %d blocks for %s", job.request_id,
-                     len(job.src_block_ids), job.descriptor.endpoint.address)
+        logger.debug(
+            "request %s: queued %d blocks for %s",
+            job.request_id,
+            len(job.src_block_ids),
+            job.descriptor.endpoint.address,
+        )
 
     def poll(self) -> list[SendCompletion]:
         with self._cond:
@@ -187,12 +194,15 @@ class QueuedSender(KVSender):
             )
         bad_src = [b for b in job.src_block_ids if not 0 <= b < self.num_blocks]
         if bad_src:
-            raise ValueError(f"request {job.request_id}: source blocks {bad_src} outside "
-                             f"[0, {self.num_blocks})")
+            raise ValueError(
+                f"request {job.request_id}: source blocks {bad_src} outside [0, {self.num_blocks})"
+            )
         bad_dst = [b for b in desc.block_ids if not 0 <= b < endpoint.num_blocks]
         if bad_dst or len(set(desc.block_ids)) != len(desc.block_ids):
-            raise ValueError(f"request {job.request_id}: destination blocks {desc.block_ids} "
-                             f"repeat or leave [0, {endpoint.num_blocks})")
+            raise ValueError(
+                f"request {job.request_id}: destination blocks {desc.block_ids} "
+                f"repeat or leave [0, {endpoint.num_blocks})"
+            )
         diff = self.layout.mismatch(endpoint.layout)
         if diff is not None:
             raise LayoutMismatchError(
@@ -226,7 +236,10 @@ class QueuedSender(KVSender):
                 job = self._queue.popleft()
                 self._current = job
                 self._stop_reason = None
+            started = time.perf_counter_ns()
             completion = self._execute(job)
+            if self.timeline.enabled:
+                self.timeline.complete("send", SEND, started, _send_args(job, completion))
             with self._cond:
                 self._current = None
             self._complete(completion)
@@ -245,12 +258,12 @@ class QueuedSender(KVSender):
             link = self._link_for(endpoint, job.deadline)
             checksum, nbytes = link.send(job, lambda group: self._check_stop(job, group))
         except BatonError as exc:
-            logger.warning("request %s: transfer to %s failed: %s", job.request_id,
-                           endpoint.address, exc)
+            logger.warning(
+                "request %s: transfer to %s failed: %s", job.request_id, endpoint.address, exc
+            )
             return _failed(job, exc)
         except Exception as exc:  # a backend bug or torch error: report it typed, keep serving
-            logger.exception("request %s: transfer to %s crashed", job.request_id,
-                             endpoint.address)
+            logger.exception("request %s: transfer to %s crashed", job.request_id, endpoint.address)
             if link is not None:
                 link.broken = True
             return _failed(job, AbortedError(f"request {job.request_id}: transfer failed: {exc!r}"))
@@ -258,15 +271,24 @@ class QueuedSender(KVSender):
             if link is not None and link.broken:
                 self._drop(endpoint.address)
         seconds = time.monotonic() - start
-        logger.debug("request %s: sent %d bytes to %s in %.3f s", job.request_id, nbytes,
-                     endpoint.address, seconds)
+        logger.debug(
+            "request %s: sent %d bytes to %s in %.3f s",
+            job.request_id,
+            nbytes,
+            endpoint.address,
+            seconds,
+        )
         return SendCompletion(job.request_id, job.descriptor.epoch, checksum, nbytes)
 
     def _link_for(self, endpoint: KVEndpoint, deadline: float) -> PeerLink:
         link = self._links.get(endpoint.address)
         if link is not None and link.incarnation != endpoint.incarnation:
-            logger.info("receiver at %s is now incarnation %s (was %s); dropping cached state",
-                        endpoint.address, endpoint.incarnation, link.incarnation)
+            logger.info(
+                "receiver at %s is now incarnation %s (was %s); dropping cached state",
+                endpoint.address,
+                endpoint.incarnation,
+                link.incarnation,
+            )
             self._drop(endpoint.address)
             link = None
         if link is None:
@@ -289,12 +311,22 @@ class QueuedSender(KVSender):
         for address, link in list(self._links.items()):
             idle = now - self._last_used.get(address, now)
             if idle > self.config.peer_idle_s:
-                logger.info("%s sender %s: dropping idle link to %s (%.0f s without a job)",
-                            self.kind, self.incarnation, address, idle)
+                logger.info(
+                    "%s sender %s: dropping idle link to %s (%.0f s without a job)",
+                    self.kind,
+                    self.incarnation,
+                    address,
+                    idle,
+                )
                 self._drop(address)
             elif link.gone():
-                logger.info("%s sender %s: receiver %s at %s is gone; dropping its link",
-                            self.kind, self.incarnation, link.incarnation, address)
+                logger.info(
+                    "%s sender %s: receiver %s at %s is gone; dropping its link",
+                    self.kind,
+                    self.incarnation,
+                    link.incarnation,
+                    address,
+                )
                 self._drop(address)
 
     @property
@@ -317,6 +349,17 @@ class QueuedSender(KVSender):
             self._done.append(completion)
         if self._notify is not None:
             self._notify()
+
+
+def _send_args(job: SendJob, completion: SendCompletion) -> dict[str, object]:
+    args: dict[str, object] = {
+        "request_id": job.request_id,
+        "blocks": len(job.src_block_ids),
+        "bytes": completion.num_bytes,
+    }
+    if completion.error is not None:
+        args["error"] = type(completion.error).__name__
+    return args
 
 
 def _failed(job: SendJob, error: BatonError) -> SendCompletion:

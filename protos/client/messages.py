@@ -88,7 +88,10 @@ class Chunk:
     """One streamed delta: what was generated since the previous chunk.
 
     ``text`` may be empty while a multi-byte character or a possible stop string is
-    incomplete. ``finish_reason`` and ``usage`` are set on the last chunk only.
+    incomplete. ``finish_reason``, ``usage`` and ``timings`` are set on the last chunk
+    only; ``timings`` maps each phase the server knows (``queued_s``, ``reserved_s``,
+    ``prefill_s``, ``transfer_s``, ``first_token_s``, ``decode_s``, ``total_s``) to its
+    seconds.
     """
 
     request_id: str
@@ -97,6 +100,7 @@ class Chunk:
     logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    timings: dict[str, float] | None = None
 
     @classmethod
     def from_proto(cls, msg: generate_pb2.GenerateResponse) -> Chunk:
@@ -123,6 +127,11 @@ class Chunk:
                 if msg.HasField("usage")
                 else None
             ),
+            timings=(
+                {f.name: value for f, value in msg.timings.ListFields()}
+                if msg.HasField("timings")
+                else None
+            ),
         )
 
 
@@ -136,6 +145,7 @@ class Completion:
     logprobs: tuple[TokenLogprob, ...]
     finish_reason: FinishReason
     usage: Usage
+    timings: dict[str, float] | None = None  # as on the last chunk
 
     @classmethod
     def from_chunks(cls, chunks: Iterable[Chunk]) -> Completion:
@@ -150,6 +160,7 @@ class Completion:
             logprobs=tuple(lp for c in chunks for lp in c.logprobs),
             finish_reason=chunks[-1].finish_reason,
             usage=chunks[-1].usage,
+            timings=chunks[-1].timings,
         )
 
 

@@ -79,3 +79,21 @@ class Usage(_message.Message):
     completion_tokens: int
     cached_tokens: int
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+
+class RequestTimings(_message.Message):
+    __slots__ = ("queued_s", "reserved_s", "prefill_s", "transfer_s", "first_token_s", "decode_s", "total_s")
+    QUEUED_S_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_S_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_S_FIELD_NUMBER: _ClassVar[int]
+    queued_s: float
+    reserved_s: float
+    prefill_s: float
+    transfer_s: float
+    first_token_s: float
+    decode_s: float
+    total_s: float
+    def __init__(self, queued_s: _Optional[float] = ..., reserved_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., first_token_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., total_s: _Optional[float] = ...) -> None: ...

@@ -86,18 +86,20 @@ class PrefillProgress(_message.Message):
     def __init__(self, phase: _Optional[_Union[PrefillPhase, str]] = ..., num_computed_tokens: _Optional[int] = ...) -> None: ...
 
 class TransferComplete(_message.Message):
-    __slots__ = ("request_id", "checksum", "epoch", "num_bytes", "fleet_mac")
+    __slots__ = ("request_id", "checksum", "epoch", "num_bytes", "fleet_mac", "timings")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     FLEET_MAC_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     checksum: int
     epoch: int
     num_bytes: int
     fleet_mac: bytes
-    def __init__(self, request_id: _Optional[str] = ..., checksum: _Optional[int] = ..., epoch: _Optional[int] = ..., num_bytes: _Optional[int] = ..., fleet_mac: _Optional[bytes] = ...) -> None: ...
+    timings: _common_pb2.RequestTimings
+    def __init__(self, request_id: _Optional[str] = ..., checksum: _Optional[int] = ..., epoch: _Optional[int] = ..., num_bytes: _Optional[int] = ..., fleet_mac: _Optional[bytes] = ..., timings: _Optional[_Union[_common_pb2.RequestTimings, _Mapping]] = ...) -> None: ...
 
 class PrefillServerMessage(_message.Message):
     __slots__ = ("first_token", "transfer_complete", "progress")
@@ -122,16 +124,18 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParameters, _Mapping]] = ..., prefill_address: _Optional[str] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finish_reason", "usage")
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "usage", "timings")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
     finish_reason: _common_pb2.FinishReason
     usage: _common_pb2.Usage
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ...) -> None: ...
+    timings: _common_pb2.RequestTimings
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timings: _Optional[_Union[_common_pb2.RequestTimings, _Mapping]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
