@@ -346,16 +346,16 @@ def test_decode_dials_only_this_releases_prefill_pods() -> None:
     assert allow({"security": {"prefillAllowList": False}}) is None
 
 
-def test_otlp_endpoint_reaches_the_gateway() -> None:
+def test_otlp_endpoint_reaches_all_three_services() -> None:
     data = named(
         render({"tracing": {"otlpEndpoint": "http://otel.monitoring:4317"}}),
         "ConfigMap",
         "baton-config",
     )["data"]
-    assert data["BATON_GATEWAY_OTLP_ENDPOINT"] == "http://otel.monitoring:4317"
-    assert (
-        "BATON_GATEWAY_OTLP_ENDPOINT" not in named(render({}), "ConfigMap", "baton-config")["data"]
-    )
+    plain = named(render({}), "ConfigMap", "baton-config")["data"]
+    for role in ("GATEWAY", "PREFILL", "DECODE"):
+        assert data[f"BATON_{role}_OTLP_ENDPOINT"] == "http://otel.monitoring:4317"
+        assert f"BATON_{role}_OTLP_ENDPOINT" not in plain
 
 
 @pytest.mark.parametrize(
