@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -70,15 +71,29 @@ def release_failed_group(pg: dist.ProcessGroup, exc: BaseException) -> None:
     A group dropped (or aborted) with an operation pending blocks whoever drops it until
     that operation times out, and an exception carries its frames far, to the event
     loop included. So ``exc``'s frames let go of their locals, and a short-lived daemon
-    thread aborts and drops the group; it ends within the group's timeout.
+    thread aborts the group and holds it until every other reference is gone, so that
+    the reaper, not the caller, is the one that drops it last (a caller that clears its
+    own variable just after this call would otherwise block in the group's destructor
+    whenever the reaper was quicker).
     """
     traceback.clear_frames(exc.__traceback__)
     reaper = threading.Thread(target=_reap, args=(pg,), name="baton-pair-reaper", daemon=True)
     reaper.start()
 
 
+# While ``_reap`` runs, its group is referenced by its own variable, the thread's argument
+# tuple and ``sys.getrefcount``'s argument.
+_REAPER_OWN_REFS = 3
+_REAPER_HOLD_S = 600.0  # a holder this slow is a leak of its own; the reaper lets go
+
+
 def _reap(pg: dist.ProcessGroup) -> None:
     abort_group(pg)
+    give_up = time.monotonic() + _REAPER_HOLD_S
+    pause = 0.001
+    while sys.getrefcount(pg) > _REAPER_OWN_REFS and time.monotonic() < give_up:
+        time.sleep(pause)
+        pause = min(pause * 2, 0.25)
 
 
 def link_error(exc: Exception, what: str) -> BatonError:
