@@ -3,10 +3,9 @@
 - 256 concurrent streams through one gateway: all complete, with greedy tokens equal to
   HF's (a divergence counts only at a near tie), although decode seats only 64 at once:
   the rest wait in its reservation FIFO, served as blocks free up.
-- 4x over a gateway's capacity (256 streams at a cap of 64): the excess gets
-  RESOURCE_EXHAUSTED within a second, nothing else fails, the processes' RSS does not
-  grow from one burst to the next, and every worker's free KV blocks return to their
-  initial value.
+- 4x over a gateway's capacity (256 streams at a cap of 64), burst after burst: the
+  excess gets RESOURCE_EXHAUSTED within a second, nothing else fails, every worker's free
+  KV blocks return to their initial value, and no process's RSS keeps growing once warm.
 """
 
 from __future__ import annotations
@@ -43,9 +42,17 @@ PROMPT_LEN = 24
 LABELS = [f"load-{i}" for i in range(16)]  # 16 distinct prompts, each sent many times
 STREAMS = 256
 SMALL_CAP = 64
-# How fast a refusal must come, and how much a process may grow from one burst to the next.
+# How fast a refusal must come.
 REFUSAL_S = 1.0
-RSS_GROWTH_BYTES = 48 << 20
+# A worker's RSS climbs over its first bursts (the native allocator's arenas and caches
+# warming to the batch shapes: Python's own heap stays flat, measured with tracemalloc)
+# and then stays level, within ~10 MiB, however many bursts follow (24 measured). A leak
+# grows with the requests served instead: over the last TAIL_BURSTS bursts (256 streams
+# each) a process may grow by less than RSS_GROWTH_BYTES, i.e. a leak of ~32 KiB per
+# stream fails.
+BURSTS = 12
+TAIL_BURSTS = 4
+RSS_GROWTH_BYTES = 32 << 20
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +170,7 @@ def test_four_times_over_capacity_the_excess_is_refused_at_once(
     async def run() -> list[list[Outcome]]:
         initial = await _free_blocks(cluster)
         rounds = []
-        for _ in range(3):
+        for _ in range(BURSTS):
             t0 = time.monotonic()
             rounds.append(await burst())
             print(f"burst took {time.monotonic() - t0:.1f} s")
@@ -196,8 +203,10 @@ def test_four_times_over_capacity_the_excess_is_refused_at_once(
             f"4x burst: {len(served)} served, {len(refused)} refused in "
             f"{times[len(times) // 2] * 1000:.0f} ms (p50) / {slowest * 1000:.0f} ms (max)"
         )
-    # RSS: no process grows from the second burst to the third.
+    # RSS: level once warm.
     for name in pids:
-        growth = rss[2][name] - rss[1][name]
-        print(f"RSS {name}: {rss[0][name] >> 20} / {rss[1][name] >> 20} / {rss[2][name] >> 20} MiB")
-        assert growth < RSS_GROWTH_BYTES, f"{name} grew {growth >> 20} MiB in one burst"
+        growth = rss[-1][name] - rss[-1 - TAIL_BURSTS][name]
+        print(f"RSS {name}: " + " / ".join(f"{r[name] >> 20}" for r in rss) + " MiB")
+        assert growth < RSS_GROWTH_BYTES, (
+            f"{name} grew {growth >> 20} MiB over the last {TAIL_BURSTS} bursts"
+        )
