@@ -362,6 +362,26 @@ def memcpy_bytes_per_s(size_mib: int, threads: int, repeats: int = 5) -> float:
     return src.numel() / best
 
 
+def read_bytes_per_s(size_mib: int, threads: int, repeats: int = 5) -> float:
+    """Best-of-``repeats`` rate of reading a large tensor once (an int64 sum, which the
+    threads' vector units finish faster than memory delivers), in bytes read per second.
+
+    What a batch-1 decode step needs is this: every weight read once, nothing written.
+    A copy moves each byte twice (read and write), so the memcpy rate understates it.
+    """
+    import torch
+
+    torch.set_num_threads(threads)
+    src = torch.ones(size_mib * 2**20 // 8, dtype=torch.int64)
+    src.sum()  # pages in, threads up
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        src.sum()
+        best = min(best, time.perf_counter() - t0)
+    return src.numel() * 8 / best
+
+
 # -- tables ---------------------------------------------------------------------------
 
 

@@ -97,17 +97,27 @@ def w1_section(path: Path) -> list[str]:
             [
                 s["dtype"], fmt(s["baton_tok_s"]), f"{s['memcpy_bytes_per_s'] / 1e9:.1f}",
                 fmt(s["floor_tok_s"]),
+                "-" if s.get("read_bytes_per_s") is None
+                else f"{s['read_bytes_per_s'] / 1e9:.1f}",
+                fmt(s.get("read_bound_tok_s")),
+                "-" if not s.get("read_bound_tok_s")
+                else f"{s['baton_tok_s'] / s['read_bound_tok_s']:.2f}",
             ]
             for s in singles
         ]  # fmt: skip
+        headers = (
+            "dtype", "baton decode tok/s", "memcpy GB/s", "floor tok/s", "read GB/s",
+            "read-bound tok/s", "baton / read-bound",
+        )  # fmt: skip
         lines += [
             "",
             f"Single stream ({opts.get('single_prompt_len', '?')}-token prompt,"
             f" {opts.get('single_new_tokens', '?')} new tokens), decode tok/s against the"
             " weight-read floor (the memcpy rate measured at the start of the run / weight"
-            " bytes):",
+            " bytes) and against the read bound (a plain read of memory at the same threads"
+            " / weight bytes: no batch-1 step that reads every weight once goes faster):",
             "",
-            markdown_table(("dtype", "baton decode tok/s", "memcpy GB/s", "floor tok/s"), rows),
+            markdown_table(headers, rows),
         ]
     return lines
 

@@ -116,6 +116,7 @@ def run_all(opts: Options) -> tuple[list[RunResult], list[SingleStream], list[st
     """Every engine ``opts.runs`` times for every dtype, interleaved; returns every run,
     the single-stream rows (medians) and notes."""
     copy_rate = common.memcpy_bytes_per_s(opts.memcpy_mib, opts.threads)
+    read_rate = common.read_bytes_per_s(opts.memcpy_mib, opts.threads)
     results: list[RunResult] = []
     singles: list[SingleStream] = []
     notes: list[str] = []
@@ -153,6 +154,7 @@ def run_all(opts: Options) -> tuple[list[RunResult], list[SingleStream], list[st
                     hf_tok_s=hf.single_decode_tok_s if hf else None,
                     weight_bytes=common.weight_bytes(opts.model_dir, dtype),
                     memcpy_bytes_per_s=copy_rate,
+                    read_bytes_per_s=read_rate,
                 )
             )
     return results, singles, notes
@@ -184,7 +186,10 @@ def settings_notes(opts: Options) -> list[str]:
         " VmHWM if larger); model load included.",
         f"single stream: one {opts.single_prompt_len}-token fixed random prompt,"
         f" {opts.single_new_tokens} new tokens, greedy; decode tok/s = (n - 1) / (last token"
-        " time - first token time). floor = memcpy rate / bytes of all weights in the dtype.",
+        " time - first token time). floor = memcpy rate / bytes of all weights in the dtype;"
+        " read-bound = the rate of a plain read of memory (an int64 sum over the same bytes"
+        " as the memcpy, same threads) / those bytes, the most a batch-1 step that reads"
+        " every weight once can reach.",
     ]
     if opts.vllm_python is None:
         notes.append(opts.vllm_skip_reason)
@@ -314,7 +319,10 @@ def main(argv: list[str] | None = None) -> Path:
             }
             for s in summaries
         ],  # fmt: skip
-        "single_stream": [{**asdict(s), "floor_tok_s": s.floor_tok_s} for s in singles],
+        "single_stream": [
+            {**asdict(s), "floor_tok_s": s.floor_tok_s, "read_bound_tok_s": s.read_bound_tok_s}
+            for s in singles
+        ],
         "notes": notes,
     }
     (opts.results_dir / f"{stem}.json").write_text(json.dumps(raw, indent=2) + "\n")

@@ -29,11 +29,20 @@ class SingleStream:
     hf_tok_s: float | None
     weight_bytes: int
     memcpy_bytes_per_s: float
+    read_bytes_per_s: float | None = None  # absent from runs before it was measured
 
     @property
     def floor_tok_s(self) -> float:
-        # Each batch-1 decode step reads every weight once; nothing can go faster.
+        # Each batch-1 decode step reads every weight once, at the copy rate here.
         return self.memcpy_bytes_per_s / self.weight_bytes
+
+    @property
+    def read_bound_tok_s(self) -> float | None:
+        """Steps per second if each did nothing but read every weight once at the rate a
+        plain read of memory reaches: what no batch-1 decode on these cores can beat."""
+        if self.read_bytes_per_s is None:
+            return None
+        return self.read_bytes_per_s / self.weight_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +131,8 @@ RUN_HEADERS = (
 )  # fmt: skip
 SINGLE_HEADERS = (
     "dtype", "baton decode tok/s", "HF decode tok/s", "weights MB", "memcpy GB/s",
-    "floor tok/s", "baton/floor", "baton/HF",
+    "floor tok/s", "baton/floor", "read GB/s", "read-bound tok/s", "baton/read-bound",
+    "baton/HF",
 )  # fmt: skip
 
 
@@ -167,6 +177,9 @@ def single_table(singles: Sequence[SingleStream]) -> str:
             f"{s.memcpy_bytes_per_s / 1e9:.1f}",
             fmt(s.floor_tok_s),
             _plain_ratio(s.baton_tok_s, s.floor_tok_s),
+            "-" if s.read_bytes_per_s is None else f"{s.read_bytes_per_s / 1e9:.1f}",
+            fmt(s.read_bound_tok_s),
+            _plain_ratio(s.baton_tok_s, s.read_bound_tok_s),
             _plain_ratio(s.baton_tok_s, s.hf_tok_s),
         ]  # fmt: skip
         for s in singles

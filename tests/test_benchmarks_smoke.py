@@ -85,6 +85,7 @@ def test_harness_runs_all_engines_and_writes_tables(tmp_path: Path) -> None:
     assert 0 < runs[("baton", "sync")]["busy_fraction"] <= 1.0
     (single,) = raw["single_stream"]
     assert single["baton_tok_s"] > 0 and single["hf_tok_s"] > 0 and single["floor_tok_s"] > 0
+    assert single["read_bound_tok_s"] > 0
     assert single["weight_bytes"] > 0
 
 
