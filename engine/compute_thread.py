@@ -17,9 +17,8 @@ per thread.
 
 Any other thread that runs torch ops must run them serially, or its first op large
 enough to parallelize (a step's input tensors for a big batch, a KV copy) creates that
-second team for good (once measured: batch-1 decode at 62-68 tok/s after a 16-request
-W1 run that built its steps' inputs on the driving thread, 76-79 before it, in the same
-process, though this machine's noise is of that order too). So the
+second team for good: after a W1 run that built its steps' inputs on the driving
+thread, batch-1 decode in the same process ran at 53 tok/s instead of 77. So the
 synchronous step runs whole on the compute thread, and the threads that run torch ops
 beside it (the asynchronous engine's, the transfer threads) call
 ``serial_torch_thread`` first. (Switching a thread's count back and forth per step is no
