@@ -42,7 +42,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine.compute_thread import serial_torch_thread
 from engine.engine_core import EngineCore
 from engine.errors import BatonError, InternalError, ResourceExhaustedError, UnavailableError
 from engine.request import RequestOutput
@@ -424,9 +423,6 @@ class AsyncEngine:
                 )
 
     def _run(self) -> None:
-        # This thread prepares steps while the compute thread computes: it must not start
-        # an OpenMP team of its own (engine.compute_thread).
-        serial_torch_thread()
         core = self.core
         tl = self.timeline
         inflight: tuple[SchedulerOutput, concurrent.futures.Future[Any]] | None = None

@@ -14,21 +14,11 @@ and no other thread of the process needs one.
 ``call`` runs a function there and waits (directly when already on it); ``submit``
 returns a future. The thread sets its own intra-op thread count, since OpenMP's is
 per thread.
-
-Any other thread that runs torch ops must run them serially, or its first op large
-enough to parallelize (a step's input tensors for a big batch, a KV copy) creates that
-second team for good: after a W1 run that built its steps' inputs on the driving
-thread, batch-1 decode in the same process ran at 53 tok/s instead of 77. So the
-synchronous step runs whole on the compute thread, and the threads that run torch ops
-beside it (the asynchronous engine's, the transfer threads) call
-``serial_torch_thread`` first. (Switching a thread's count back and forth per step is no
-way out: each switch also rebuilds torch's process-wide pthreadpool.)
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import threading
 from collections.abc import Callable
 from typing import TypeVar
@@ -46,9 +36,8 @@ class ComputeThread:
 
     @staticmethod
     def _start(num_threads: int) -> int:
-        # Always explicit: a thread's count is otherwise copied, at its first op, from
-        # the last count any thread set (``serial_torch_thread`` sets 1 elsewhere).
-        torch.set_num_threads(num_threads if num_threads > 0 else _default_threads())
+        if num_threads > 0:
+            torch.set_num_threads(num_threads)
         return threading.get_ident()
 
     def on_thread(self) -> bool:
@@ -67,19 +56,3 @@ class ComputeThread:
     def shutdown(self) -> None:
         """Finish what is queued and end the thread. Idempotent."""
         self._pool.shutdown(wait=True)
-
-
-def _default_threads() -> int:
-    """What torch's default would be: ``OMP_NUM_THREADS`` when set, else a thread per CPU
-    this process may run on."""
-    try:
-        wanted = int(os.environ.get("OMP_NUM_THREADS", ""))
-    except ValueError:
-        wanted = 0
-    return wanted if wanted > 0 else (len(os.sched_getaffinity(0)) or 1)
-
-
-def serial_torch_thread() -> None:
-    """Run every later torch op of the calling thread on that thread alone. For threads
-    of their own (transfers) that share the cores with a compute thread."""
-    torch.set_num_threads(1)

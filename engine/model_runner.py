@@ -132,14 +132,8 @@ class ModelRunner:
     # -- the step ---------------------------------------------------------------------
 
     def execute(self, sched: SchedulerOutput) -> list[SampledToken | None]:
-        """Run one step; returns a sampled token for each seq with ``sample=True``.
-
-        Both halves on the compute thread: nothing overlaps here anyway, and the caller's
-        thread then runs no torch op (engine.compute_thread: a second OpenMP team)."""
-        return self.compute.call(self._execute, sched)
-
-    def _execute(self, sched: SchedulerOutput) -> list[SampledToken | None]:
-        return self._run(self.prepare(sched))
+        """Run one step; returns a sampled token for each seq with ``sample=True``."""
+        return self.run(self.prepare(sched))
 
     def run(self, step: PreparedStep) -> list[SampledToken | None]:
         """Forward and sample a prepared step on the compute thread; waits for it."""
@@ -153,8 +147,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prepare(self, sched: SchedulerOutput) -> PreparedStep:
-        """The step's input tensors. Reads only ``sched``: safe while a step runs. Call it
-        on the compute thread or on one that runs torch serially (engine.compute_thread)."""
+        """The step's input tensors. Reads only ``sched``: safe while a step runs."""
         t0 = time.perf_counter()
         with self.timeline.span("prepare", RUNNER):
             step = self._prepare(sched)

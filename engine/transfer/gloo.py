@@ -30,7 +30,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from engine.compute_thread import serial_torch_thread
 from engine.errors import (
     AbortedError,
     BatonError,
@@ -286,7 +285,6 @@ class GlooReceiver(LeaseReceiver):
     # -- receiving --------------------------------------------------------------------------
 
     def _pair_main(self, n: int, sender: str) -> None:
-        serial_torch_thread()  # the cores belong to the compute thread's team
         prefix = pair_prefix(self.incarnation, sender, n)
         store = self._client()
         pg = None

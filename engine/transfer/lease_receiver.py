@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.compute_thread import serial_torch_thread
 from engine.errors import (
     AbortedError,
     BatonError,
@@ -249,7 +248,6 @@ class LeaseReceiver(KVReceiver):
     # -- worker -----------------------------------------------------------------------------
 
     def _run(self) -> None:
-        serial_torch_thread()  # the cores belong to the compute thread's team
         next_housekeeping = time.monotonic() + _HOUSEKEEPING_S
         while True:
             with self._cond:

@@ -21,7 +21,6 @@ from collections.abc import Callable
 
 import torch
 
-from engine.compute_thread import serial_torch_thread
 from engine.errors import (
     AbortedError,
     BatonError,
@@ -218,7 +217,6 @@ class QueuedSender(KVSender):
             return len(self._links)
 
     def _run(self) -> None:
-        serial_torch_thread()  # the cores belong to the compute thread's team
         reap_every = min(1.0, self.config.peer_idle_s / 4)
         next_reap = time.monotonic() + reap_every
         while True:
