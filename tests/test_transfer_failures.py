@@ -10,7 +10,6 @@ pair from killing the process.
 from __future__ import annotations
 
 import dataclasses
-
 import os
 import time
 from collections.abc import Callable, Iterator
