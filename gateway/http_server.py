@@ -27,6 +27,7 @@ import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from rpc.auth import REFUSAL, ApiKeys
+from rpc.drain_gate import DrainGate
 from rpc.server import write_port_file
 from rpc.tls import TlsFiles
 
@@ -36,34 +37,15 @@ logger = logging.getLogger(__name__)
 _FINAL_GRACE_S = 1
 
 
-class HttpGate:
+class HttpGate(DrainGate):
     """Admits ``/v1`` requests only while open and, with API keys, only with a valid
     ``Authorization: Bearer <key>`` (401 otherwise); counts the ones in flight (streams
     included, until their last byte). An ASGI middleware around the app."""
 
     def __init__(self, app: ASGIApp, api_keys: ApiKeys | None = None) -> None:
+        super().__init__("the gateway is starting")
         self._app = app
         self._api_keys = api_keys
-        self.open = False
-        self.reason = "the gateway is starting"
-        self._in_flight = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
-
-    @property
-    def in_flight(self) -> int:
-        return self._in_flight
-
-    def close(self, reason: str) -> None:
-        self.open = False
-        self.reason = reason
-
-    async def wait_idle(self, timeout: float) -> bool:
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
-        except TimeoutError:
-            return False
-        return True
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -95,17 +77,6 @@ class HttpGate:
 
     def _status(self) -> str:
         return "serving" if self.open else self.reason
-
-    @contextlib.contextmanager
-    def _counted(self) -> Iterator[None]:
-        self._in_flight += 1
-        self._idle.clear()
-        try:
-            yield
-        finally:
-            self._in_flight -= 1
-            if self._in_flight == 0:
-                self._idle.set()
 
 
 async def _json(

@@ -36,6 +36,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from engine.errors import UnavailableError
 from rpc.channels import SERVER_OPTIONS
+from rpc.drain_gate import DrainGate
 from rpc.errors import ErrorInterceptor, wrap_handler
 from rpc.reflection import SERVICE_NAMES as REFLECTION_SERVICES
 from rpc.reflection import enable_reflection
@@ -91,7 +92,7 @@ class ServerSpec:
             raise ValueError("service_names must name at least one service")
 
 
-class _Gate(grpc.aio.ServerInterceptor):
+class _Gate(DrainGate, grpc.aio.ServerInterceptor):
     """Admits calls only while serving, and counts the ones in flight.
 
     Refusals raise UnavailableError inside the call, so ErrorInterceptor (outside this
@@ -99,27 +100,7 @@ class _Gate(grpc.aio.ServerInterceptor):
     """
 
     def __init__(self) -> None:
-        self.open = False
-        self.reason = "server is starting"
-        self._in_flight = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
-
-    @property
-    def in_flight(self) -> int:
-        return self._in_flight
-
-    def close(self, reason: str) -> None:
-        self.open = False
-        self.reason = reason
-
-    async def wait_idle(self, timeout: float) -> bool:
-        """True when no counted call is in flight, False after ``timeout`` seconds."""
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
-        except TimeoutError:
-            return False
-        return True
+        DrainGate.__init__(self, "server is starting")
 
     async def intercept_service(
         self,
@@ -135,7 +116,7 @@ class _Gate(grpc.aio.ServerInterceptor):
         if inspect.isasyncgenfunction(behavior):
 
             async def admitted_stream(request: Any, context: Any) -> AsyncIterator:
-                with self._counted():
+                with self._admitted():
                     async with contextlib.aclosing(behavior(request, context)) as responses:
                         async for response in responses:
                             yield response
@@ -145,7 +126,7 @@ class _Gate(grpc.aio.ServerInterceptor):
         if inspect.iscoroutinefunction(behavior):
 
             async def admitted(request: Any, context: Any) -> Any:
-                with self._counted():
+                with self._admitted():
                     return await behavior(request, context)
 
             return admitted
@@ -153,17 +134,11 @@ class _Gate(grpc.aio.ServerInterceptor):
         return behavior
 
     @contextlib.contextmanager
-    def _counted(self) -> Iterator[None]:
+    def _admitted(self) -> Iterator[None]:
         if not self.open:
             raise UnavailableError(self.reason)
-        self._in_flight += 1
-        self._idle.clear()
-        try:
+        with self._counted():
             yield
-        finally:
-            self._in_flight -= 1
-            if self._in_flight == 0:
-                self._idle.set()
 
 
 class RpcServer:
