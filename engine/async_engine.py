@@ -42,6 +42,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from engine.compute_thread import serial_torch_here
 from engine.engine_core import EngineCore
 from engine.errors import BatonError, InternalError, ResourceExhaustedError, UnavailableError
 from engine.request import RequestOutput
@@ -426,6 +427,8 @@ class AsyncEngine:
         core = self.core
         tl = self.timeline
         inflight: tuple[SchedulerOutput, concurrent.futures.Future[Any]] | None = None
+        # This thread builds each step's inputs while the compute thread runs the last.
+        serial_torch_here()
         try:
             while not self._stopping:
                 if inflight is None and not core.has_work():

@@ -14,11 +14,22 @@ and no other thread of the process needs one.
 ``call`` runs a function there and waits (directly when already on it); ``submit``
 returns a future. The thread sets its own intra-op thread count, since OpenMP's is
 per thread.
+
+A thread of ours that still runs small torch ops beside it (the asynchronous engine's
+scheduling thread building a step's inputs, the KV transfer workers copying blocks)
+calls ``serial_torch_here`` first: one parallel region on such a thread would give it a
+team for the life of the process and throttle the compute thread's for good (a 64-seq
+W1 decode mask did: single-stream decode then took 35-50 ms a token instead of 20).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
+import functools
+import logging
+import os
+import re
 import threading
 from collections.abc import Callable
 from typing import TypeVar
@@ -26,6 +37,46 @@ from typing import TypeVar
 import torch
 
 T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
+
+# The OpenMP runtime torch loaded: GNU (libgomp, its own copy in a pip wheel), LLVM or Intel.
+_OPENMP_LIBRARY = re.compile(r"/lib[gi]?omp[^/]*\.so[^/]*$")
+
+
+@functools.cache
+def _openmp_runtime() -> ctypes.CDLL | None:
+    """The OpenMP runtime already mapped into this process, or None (no OpenMP build)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if _OPENMP_LIBRARY.search(line.rstrip())}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        try:
+            # Already loaded: dlopen hands back the same library, with its state.
+            lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+            lib.omp_set_num_threads  # noqa: B018 - raises AttributeError if absent
+            return lib
+        except (OSError, AttributeError):
+            continue
+    return None
+
+
+def serial_torch_here() -> bool:
+    """Run every later torch op of the calling thread on that thread alone; True if done.
+
+    Sets OpenMP's thread count for this thread only (it is a per-thread setting), after
+    torch's lazy per-thread initialization so that torch does not set it back; unlike
+    ``torch.set_num_threads`` it leaves the process-wide default alone. Never call it on
+    the compute thread.
+    """
+    torch.get_num_threads()  # torch's one-time init of this thread's OpenMP setting
+    runtime = _openmp_runtime()
+    if runtime is None:
+        return False
+    runtime.omp_set_num_threads(1)
+    return torch.get_num_threads() == 1
 
 
 class ComputeThread:

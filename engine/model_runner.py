@@ -132,8 +132,15 @@ class ModelRunner:
     # -- the step ---------------------------------------------------------------------
 
     def execute(self, sched: SchedulerOutput) -> list[SampledToken | None]:
-        """Run one step; returns a sampled token for each seq with ``sample=True``."""
-        return self.run(self.prepare(sched))
+        """Run one step; returns a sampled token for each seq with ``sample=True``.
+
+        Prepares on the compute thread too: nothing overlaps here, and torch ops on the
+        caller's thread would give it an OpenMP team of its own (``engine.compute_thread``).
+        """
+        return self.compute.call(self._prepare_and_run, sched)
+
+    def _prepare_and_run(self, sched: SchedulerOutput) -> list[SampledToken | None]:
+        return self._run(self.prepare(sched))
 
     def run(self, step: PreparedStep) -> list[SampledToken | None]:
         """Forward and sample a prepared step on the compute thread; waits for it."""
@@ -190,7 +197,10 @@ class ModelRunner:
 
         Writes the step's KV like ``execute`` does; used by parity tests.
         """
-        return self.compute.call(self._forward_logits, self.prepare(sched))
+        return self.compute.call(self._prepared_logits, sched)
+
+    def _prepared_logits(self, sched: SchedulerOutput) -> torch.Tensor:
+        return self._forward_logits(self.prepare(sched))
 
     @torch.inference_mode()
     def _forward_logits(self, step: PreparedStep) -> torch.Tensor:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.compute_thread import serial_torch_here
 from engine.errors import (
     AbortedError,
     BatonError,
@@ -248,6 +249,7 @@ class LeaseReceiver(KVReceiver):
     # -- worker -----------------------------------------------------------------------------
 
     def _run(self) -> None:
+        serial_torch_here()  # leave OpenMP's team to the compute thread
         next_housekeeping = time.monotonic() + _HOUSEKEEPING_S
         while True:
             with self._cond:

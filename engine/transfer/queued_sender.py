@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 
+from engine.compute_thread import serial_torch_here
 from engine.errors import (
     AbortedError,
     BatonError,
@@ -217,6 +218,7 @@ class QueuedSender(KVSender):
             return len(self._links)
 
     def _run(self) -> None:
+        serial_torch_here()  # leave OpenMP's team to the compute thread
         reap_every = min(1.0, self.config.peer_idle_s / 4)
         next_reap = time.monotonic() + reap_every
         while True:
