@@ -7,8 +7,9 @@ parameter's ``weight_loader`` writes its shard.
 On CPU the model runs the fast paths of ``engine.kernels.ops`` (measured in
 ``benchmarks/decode_step.py``): linear layers through the bf16 GEMV kernel for a few rows
 and oneDNN-prepacked weights above (``prepare_fast_path`` packs them once the weights are
-final), SiLU-and-multiply in one op, and, for decode-only steps, each decoder layer as one
-compiled call (``ops.decode_layer``). Every module keeps its plain-torch twin behind a
+final), SiLU-and-multiply in one op, and, for decode-only steps, the whole decoder stack as one
+compiled call (``ops.decode_stack``; each layer alone, ``ops.decode_layer``, when a layer
+is off its fused path). Every module keeps its plain-torch twin behind a
 ``use_kernel`` attribute: ``set_fast_path(False)`` runs the model on the twins alone,
 which is what parity tests compare the fast path against.
 """
@@ -164,6 +165,11 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self.config = cfg
+        # Every layer's weights for one fused call per decode-only step; set by
+        # ``prepare_fast_path`` when every layer is on its fused path, else None. Used
+        # while every layer still is.
+        self.decode_stack: ops.DecodeStack | None = None
         rope = RotaryEmbedding(
             cfg.head_dim,
             cfg.max_position_embeddings,
@@ -176,9 +182,52 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        stacked = self._fused_decode_stack(positions, hidden)
+        if stacked is not None:
+            return self.norm(stacked)
         for layer in self.layers:
             hidden = layer(positions, hidden)
         return self.norm(hidden)
+
+    def _fused_decode_stack(
+        self, positions: torch.Tensor, hidden: torch.Tensor
+    ) -> torch.Tensor | None:
+        """Every layer in one compiled call for a decode-only step, else None."""
+        stack = self.decode_stack
+        if stack is None or not all(
+            layer.use_kernel and layer.self_attn.attn.use_kernel for layer in self.layers
+        ):  # a module switched to its twin since the stack was made
+            return None
+        ctx = get_forward_context()
+        meta = ctx.attn
+        if meta.prefills or meta.num_decode != hidden.shape[0]:
+            return None
+        rope = self.layers[0].self_attn.rope
+        return ops.decode_stack(
+            stack, hidden, positions, ctx.kv_cache, meta.slot_mapping, meta.decode_block_tables,
+            decode_context_lens(meta), rope.cos, rope.sin,
+        )  # fmt: skip
+
+    def make_decode_stack(self) -> ops.DecodeStack | None:
+        """The fused stack of every layer, or None unless each layer would take its own
+        fused path (``use_kernel`` on the layer and its attention)."""
+        layers = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if not (layer.use_kernel and attn.attn.use_kernel):
+                return None
+            layers.append({
+                "in_norm": layer.input_layernorm.weight, "qkv": attn.qkv_proj.weight,
+                "qkv_bias": attn.qkv_proj.bias, "o": attn.o_proj.weight,
+                "post_norm": layer.post_attention_layernorm.weight,
+                "gate_up": mlp.gate_up_proj.weight, "down": mlp.down_proj.weight,
+                "packed": (attn.qkv_proj.packed, attn.o_proj.packed, mlp.gate_up_proj.packed,
+                           mlp.down_proj.packed),
+                "window": attn.attn.sliding_window, "eps": layer.input_layernorm.eps,
+                "scale": attn.attn.scale,
+            })  # fmt: skip
+        cfg = self.config
+        return ops.make_decode_stack(layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -220,11 +269,13 @@ class LlamaForCausalLM(nn.Module):
         self.prepare_fast_path()
 
     def prepare_fast_path(self) -> None:
-        """(Re)pack the linear weights for oneDNN. Call after the weights are loaded and
-        cast to their final dtype and device; a no-op for layers on their torch twin."""
+        """(Re)pack the linear weights for oneDNN and gather the fused decode stack. Call
+        after the weights are loaded and cast to their final dtype and device; a no-op for
+        layers on their torch twin."""
         for mod in self.modules():
             if isinstance(mod, Linear):
                 mod.prepack()
+        self.model.decode_stack = self.model.make_decode_stack()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors into the parameters; returns the HF names consumed.
