@@ -3,16 +3,16 @@ ours that run torch ops beside it.
 
 GNU OpenMP gives each thread that starts a parallel region a team of workers for the
 life of that thread, and once a process holds more of them than it has CPUs, every team
-sleeps between regions. A team shows as new tasks of this process, which is what these
-tests count.
+sleeps between regions (a team shows as new tasks of the process).
 """
 
 from __future__ import annotations
 
-import os
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,11 +27,7 @@ from tests.engine_helpers import make_core
 from tests.transfer_peer import SMALL_GROUPS, random_pool, small_layout, wait_for
 
 GREEDY = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
-LONGER = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-
-
-def _tasks() -> int:
-    return len(os.listdir("/proc/self/task"))
+REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
@@ -45,39 +41,36 @@ def two_torch_threads() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def _tasks_added_on_a_new_thread(work: Callable[[], object], serial: bool) -> int:
-    """Tasks the process gained while ``work`` ran on a fresh thread (still alive)."""
-    added: list[int] = []
-    failure: list[BaseException] = []
-
-    def main() -> None:
-        try:
-            if serial:
-                assert serial_torch_here(), "no OpenMP runtime found to confine"
-            before = _tasks()
-            work()
-            added.append(_tasks() - before)
-        except BaseException as exc:  # noqa: BLE001 - re-raised on the test's thread
-            failure.append(exc)
-
-    thread = threading.Thread(target=main)
-    thread.start()
-    thread.join()
-    if failure:
-        raise failure[0]
-    return added[0]
+# Counted in a fresh process: in the suite's own, other tests' threads come and go.
+_COUNT_TEAM_TASKS = """
+import os, threading, torch
+from engine.compute_thread import serial_torch_here
+torch.set_num_threads(2)
+def added(serial):
+    out = []
+    def main():
+        if serial:
+            assert serial_torch_here()
+        before = set(os.listdir("/proc/self/task"))
+        (torch.ones(1 << 22) * 2 + 1).sum()
+        out.append(len(set(os.listdir("/proc/self/task")) - before))
+    t = threading.Thread(target=main)
+    t.start()
+    t.join()
+    return out[0]
+print(added(False), added(True))
+"""
 
 
-def _big_elementwise() -> torch.Tensor:
-    x = torch.ones(1 << 22)
-    return (x * 2 + 1).sum()
-
-
-def test_a_parallel_op_on_a_new_thread_starts_a_team_unless_confined(
-    two_torch_threads: None,
-) -> None:
-    assert _tasks_added_on_a_new_thread(_big_elementwise, serial=False) >= 1
-    assert _tasks_added_on_a_new_thread(_big_elementwise, serial=True) == 0
+def test_a_parallel_op_on_a_new_thread_starts_a_team_unless_confined() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", _COUNT_TEAM_TASKS], capture_output=True, text=True,
+        timeout=120, cwd=REPO,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    unconfined, confined = map(int, out.stdout.split())
+    assert unconfined >= 1, "a parallel op on a new thread starts that thread's team"
+    assert confined == 0
 
 
 def test_confining_a_thread_leaves_other_threads_and_the_default_alone(
@@ -102,21 +95,31 @@ def test_confining_a_thread_leaves_other_threads_and_the_default_alone(
     assert later == [threads], "a thread started later still gets the process default"
 
 
-def test_a_synchronous_step_runs_no_torch_on_the_calling_thread(
-    tiny_llama: Path, two_torch_threads: None
-) -> None:
-    """A decode batch whose attention mask is past torch's parallel grain (40 rows of
-    ~900 columns; enough new tokens that all 40 decode together after the 9 prefill
-    steps): built on the caller's thread it started a team there."""
-    core = make_core(
-        tiny_llama, num_blocks=4096, max_num_seqs=48, max_num_batched_tokens=4096,
-        max_model_len=1024,
-    )  # fmt: skip
-    prompts = [[100 + i % 50] * 880 for i in range(40)]
+def test_a_synchronous_step_runs_its_torch_ops_on_the_compute_thread(tiny_llama: Path) -> None:
+    """Building its inputs included: a 64-seq W1 decode mask built on the caller's thread
+    gave that thread a team."""
+    core = make_core(tiny_llama, num_blocks=128)
+    runner = core.runner
+    seen: set[str] = set()
+    prepare, run = runner.prepare, runner._run
+
+    def recording_prepare(sched):  # type: ignore[no-untyped-def]
+        seen.add(f"prepare on the compute thread: {runner.compute.on_thread()}")
+        return prepare(sched)
+
+    def recording_run(step):  # type: ignore[no-untyped-def]
+        seen.add(f"run on the compute thread: {runner.compute.on_thread()}")
+        return run(step)
+
+    runner.prepare = recording_prepare  # type: ignore[method-assign]
+    runner._run = recording_run  # type: ignore[method-assign]
     try:
-        assert _tasks_added_on_a_new_thread(lambda: core.generate(prompts, LONGER), False) == 0
+        core.generate([[5, 6, 7, 8], [9, 10]], GREEDY)
+        core.add_request(core.make_request("x", [11, 12, 13], GREEDY))
+        runner.forward_logits(core.scheduler.schedule())
     finally:
-        core.runner.close()
+        runner.close()
+    assert seen == {"prepare on the compute thread: True", "run on the compute thread: True"}
 
 
 async def test_the_async_engine_thread_builds_steps_without_a_team(

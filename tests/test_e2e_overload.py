@@ -42,8 +42,12 @@ PROMPT_LEN = 24
 LABELS = [f"load-{i}" for i in range(16)]  # 16 distinct prompts, each sent many times
 STREAMS = 256
 SMALL_CAP = 64
-# How fast a refusal must come.
-REFUSAL_S = 1.0
+# How fast refusals must come: the median of a burst's, and every one. A refusal that
+# waited for a slot would take as long as the burst (1.5-4 s here) and push the median
+# past the first bound; the second leaves room for one stalled client loop on 2 shared
+# cores (1.7 s once in twelve bursts of a full-suite run).
+REFUSAL_P50_S = 1.0
+REFUSAL_MAX_S = 2.5
 # A worker's RSS climbs over its first bursts (the native allocator's arenas and caches
 # warming to the batch shapes: Python's own heap stays flat, measured with tracemalloc)
 # and then stays level, within ~10 MiB, however many bursts follow (24 measured). A leak
@@ -194,14 +198,16 @@ def test_four_times_over_capacity_the_excess_is_refused_at_once(
         )
         slowest = max(o.elapsed_s for o in refused)
         times = sorted(o.elapsed_s for o in refused)
-        assert slowest < REFUSAL_S, f"a refusal took {slowest:.2f} s"
+        median = times[len(times) // 2]
+        assert median < REFUSAL_P50_S, f"refusals took {median:.2f} s (median)"
+        assert slowest < REFUSAL_MAX_S, f"a refusal took {slowest:.2f} s"
         assert all(f"limit of {SMALL_CAP} concurrent streams" in o.details for o in refused)
         _check_tokens(
             [o for o, _ in served], [label for _, label in served], reference, BURST_TOKENS
         )
         print(
             f"4x burst: {len(served)} served, {len(refused)} refused in "
-            f"{times[len(times) // 2] * 1000:.0f} ms (p50) / {slowest * 1000:.0f} ms (max)"
+            f"{median * 1000:.0f} ms (p50) / {slowest * 1000:.0f} ms (max)"
         )
     # RSS: level once warm.
     for name in pids:
