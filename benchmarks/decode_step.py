@@ -12,8 +12,8 @@ other work on the machine hits every variant alike:
 - ``kernels+llama``: also the model's fast linear path (``engine.kernels.ops``): linear
   layers through the bf16 GEMV kernel up to ``GEMV_MAX_ROWS`` rows and oneDNN-prepacked
   weights above, and SiLU-and-multiply in one op;
-- ``kernels+fused``: also the fused decoder layer (``ops.decode_layer``), one compiled
-  call per layer for decode-only batches. This is the model's production path.
+- ``kernels+fused``: also the fused decoder stack (``ops.decode_stack``), one compiled
+  call for every layer of a decode-only batch. This is the model's production path.
 
 It prints, per batch size, the median wall and CPU time of a step (model forward plus
 logits of every row; sampling and batch preparation excluded) and the ratio to
