@@ -82,7 +82,7 @@ def w1_section(path: Path) -> list[str]:
         vllm = by_key.get(("vllm", s.dtype))
         rows.append([
             s.engine, s.mode, s.dtype, str(len(s.runs)), fmt(s.output_tok_s),
-            f"{lo:.1f}-{hi:.1f}", fmt(s.busy_fraction, 3),
+            f"{lo:.1f}–{hi:.1f}", fmt(s.busy_fraction, 3),
             w1_report.ratio_cell(s, vllm, allow_busy=False) if s.engine == "baton" else "-",
         ])  # fmt: skip
     headers = (
