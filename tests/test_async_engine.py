@@ -163,10 +163,17 @@ async def test_reserve_when_pool_is_full_raises_resource_exhausted(engine: Async
     prompt = list(range(1000, 1900))  # 57 blocks of the 128
     leases = [await engine.reserve(f"big{i}", prompt, GREEDY) for i in range(2)]
     assert all(len(lease.block_ids) == 57 for lease, _ in leases)
-    before = engine.stats()
     with pytest.raises(ResourceExhaustedError):
         await engine.reserve("big2", prompt, GREEDY)
-    assert (engine.stats()).num_free_blocks == before.num_free_blocks
+    # Stats are the engine thread's per-step snapshot, which may still predate the second
+    # lease: wait for one that shows both, and nothing more taken by the refused one.
+    expected = 128 - 2 * 57
+    for _ in range(100):
+        st = engine.stats()
+        if st.num_waiting_for_kv == 2 and st.num_free_blocks <= expected:
+            break
+        await asyncio.sleep(0.02)
+    assert (st.num_waiting_for_kv, st.num_free_blocks) == (2, expected)
     for i in range(2):
         engine.abort(f"big{i}")
     await _wait_all_free(engine)
