@@ -50,10 +50,11 @@ REFUSAL_P50_S = 1.0
 REFUSAL_MAX_S = 2.5
 # A worker's RSS climbs over its first bursts (the native allocator's arenas and caches
 # warming to the batch shapes: Python's own heap stays flat, measured with tracemalloc)
-# and then stays level, within ~10 MiB, however many bursts follow (24 measured). A leak
-# grows with the requests served instead: over the last TAIL_BURSTS bursts (256 streams
-# each) a process may grow by less than RSS_GROWTH_BYTES, i.e. a leak of ~32 KiB per
-# stream fails.
+# and then stays level, though it swings by 20-30 MiB from one burst to the next as the
+# allocator trims and regrows. A leak grows with the requests served instead: the highest
+# RSS of the last TAIL_BURSTS bursts (256 streams each) may pass the highest of the
+# TAIL_BURSTS before them by less than RSS_GROWTH_BYTES, so a leak of ~32 KiB per stream
+# fails. Maxima of windows, not two single readings: one trimmed reading is not a leak.
 BURSTS = 12
 TAIL_BURSTS = 4
 RSS_GROWTH_BYTES = 32 << 20
@@ -151,8 +152,10 @@ def test_four_times_over_capacity_the_excess_is_refused_at_once(
     pids = {p.kind + p.address: p.popen.pid for p in cluster.procs}
     labels = [LABELS[i % len(LABELS)] for i in range(4 * SMALL_CAP)]
 
-    async def burst() -> list[Outcome]:
-        """SMALL_CAP streams take every slot; then three times as many arrive at once."""
+    async def burst() -> tuple[list[Outcome], bool]:
+        """SMALL_CAP streams take every slot; then three times as many arrive at once.
+        Also whether every slot stayed taken until the excess had its answers (an admitted
+        stream that ended sooner, when this client stalls, frees a slot for the excess)."""
         async with gateway_stub(small.address) as stub:
             admitted = [
                 stub.Generate(ids_request(PROMPT_LEN, label, max_tokens=BURST_TOKENS), timeout=180)
@@ -160,16 +163,25 @@ def test_four_times_over_capacity_the_excess_is_refused_at_once(
             ]
             began = time.monotonic()
             firsts = await asyncio.gather(*(call.read() for call in admitted))
+            ended: list[float] = []
+
+            async def hold(call) -> Outcome:  # noqa: ANN001 - a grpc.aio stream call
+                outcome = await collect(call, began)
+                ended.append(time.monotonic())
+                return outcome
+
+            holders = [asyncio.create_task(hold(call)) for call in admitted]
             excess = await asyncio.gather(
                 *(
                     generate(stub, ids_request(PROMPT_LEN, label, max_tokens=BURST_TOKENS), 180)
                     for label in labels[SMALL_CAP:]
                 )
             )
-            rest = await asyncio.gather(*(collect(call, began) for call in admitted))
+            answered = time.monotonic()
+            rest = await asyncio.gather(*holders)
         for first, outcome in zip(firsts, rest, strict=True):
             outcome.responses.insert(0, first)
-        return rest + excess
+        return rest + excess, all(t > answered for t in ended)
 
     async def run() -> list[list[Outcome]]:
         initial = await _free_blocks(cluster)
@@ -185,19 +197,20 @@ def test_four_times_over_capacity_the_excess_is_refused_at_once(
 
     rss: list[dict[str, int]] = []
     rounds = asyncio.run(run())
-    for outcomes in rounds:
+    full = sum(held for _, held in rounds)
+    assert full >= BURSTS // 2, f"only {full} of {BURSTS} bursts kept every slot taken"
+    for outcomes, held in rounds:
         served = [
             (o, label) for o, label in zip(outcomes, labels, strict=True) if o.code.name == "OK"
         ]
         refused = [o for o in outcomes if o.code is grpc.StatusCode.RESOURCE_EXHAUSTED]
         others = [str(o) for o in outcomes if o.code.name not in ("OK", "RESOURCE_EXHAUSTED")]
         assert not others, f"{len(others)} failed otherwise, e.g. {others[:3]}"
-        assert len(served) >= SMALL_CAP and len(refused) >= 2 * SMALL_CAP, (
-            len(served),
-            len(refused),
-        )
-        slowest = max(o.elapsed_s for o in refused)
-        times = sorted(o.elapsed_s for o in refused)
+        assert len(served) >= SMALL_CAP, len(served)
+        if held:  # else the excess rightly took the slots that freed up
+            assert len(refused) >= 2 * SMALL_CAP, (len(served), len(refused))
+        times = sorted(o.elapsed_s for o in refused) or [0.0]
+        slowest = times[-1]
         median = times[len(times) // 2]
         assert median < REFUSAL_P50_S, f"refusals took {median:.2f} s (median)"
         assert slowest < REFUSAL_MAX_S, f"a refusal took {slowest:.2f} s"
@@ -211,8 +224,9 @@ def test_four_times_over_capacity_the_excess_is_refused_at_once(
         )
     # RSS: level once warm.
     for name in pids:
-        growth = rss[-1][name] - rss[-1 - TAIL_BURSTS][name]
-        print(f"RSS {name}: " + " / ".join(f"{r[name] >> 20}" for r in rss) + " MiB")
+        readings = [r[name] for r in rss]
+        growth = max(readings[-TAIL_BURSTS:]) - max(readings[-2 * TAIL_BURSTS : -TAIL_BURSTS])
+        print(f"RSS {name}: " + " / ".join(f"{r >> 20}" for r in readings) + " MiB")
         assert growth < RSS_GROWTH_BYTES, (
-            f"{name} grew {growth >> 20} MiB over the last {TAIL_BURSTS} bursts"
+            f"{name}'s highest RSS grew {growth >> 20} MiB over the last {TAIL_BURSTS} bursts"
         )
