@@ -27,7 +27,6 @@ from __future__ import annotations
 import concurrent.futures
 import ctypes
 import functools
-import logging
 import os
 import re
 import threading
@@ -37,8 +36,6 @@ from typing import TypeVar
 import torch
 
 T = TypeVar("T")
-
-logger = logging.getLogger(__name__)
 
 # The OpenMP runtime torch loaded: GNU (libgomp, its own copy in a pip wheel), LLVM or Intel.
 _OPENMP_LIBRARY = re.compile(r"/lib[gi]?omp[^/]*\.so[^/]*$")
