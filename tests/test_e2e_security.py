@@ -166,10 +166,9 @@ def test_workers_talk_only_to_their_fleet(cluster: E2ECluster, identity: Identit
             # Reflection is off on workers.
             reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
             call = reflect.ServerReflectionInfo(timeout=10)
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                await call.write(reflection_pb2.ServerReflectionRequest(list_services=""))
-                await call.read()
-            assert info.value.code() is grpc.StatusCode.UNIMPLEMENTED
+            # The status alone, without a write that races it (grpc-python then reports
+            # INTERNAL for the failed write instead).
+            assert await call.code() is grpc.StatusCode.UNIMPLEMENTED
             stats = await stub.Stats(worker_pb2.StatsRequest(), timeout=10)
             assert stats.free_kv_blocks == stats.total_kv_blocks
 
