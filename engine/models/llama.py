@@ -17,6 +17,7 @@ which is what parity tests compare the fast path against.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -143,23 +144,34 @@ class DecoderLayer(nn.Module):
 
     def _fused_decode(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor | None:
         """The whole layer as one compiled call for a decode-only step, else None."""
-        attn, mlp = self.self_attn, self.mlp
+        attn = self.self_attn
         ctx = get_forward_context()
         meta = ctx.attn
         if meta.prefills or meta.num_decode != hidden.shape[0] or not attn.attn.use_kernel:
             return None
+        w = self.fused_weights()
         return ops.decode_layer(
             hidden, positions, ctx.kv_cache, attn.attn.layer_idx, meta.slot_mapping,
             meta.decode_block_tables, decode_context_lens(meta), attn.rope.cos, attn.rope.sin,
-            self.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias,
-            attn.o_proj.weight, self.post_attention_layernorm.weight, mlp.gate_up_proj.weight,
-            mlp.down_proj.weight, attn.num_heads, self.input_layernorm.eps, attn.attn.scale,
-            packed=(
-                attn.qkv_proj.packed, attn.o_proj.packed, mlp.gate_up_proj.packed,
-                mlp.down_proj.packed,
-            ),
-            window=attn.attn.sliding_window,
+            w["in_norm"], w["qkv"], w["qkv_bias"], w["o"], w["post_norm"], w["gate_up"],
+            w["down"], attn.num_heads, w["eps"], w["scale"], packed=w["packed"],
+            window=w["window"],
         )  # fmt: skip
+
+    def fused_weights(self) -> dict[str, Any]:
+        """What the fused kernels take of this layer (``ops.decode_layer``'s weights, and
+        one entry of ``ops.make_decode_stack``)."""
+        attn, mlp = self.self_attn, self.mlp
+        return {
+            "in_norm": self.input_layernorm.weight, "qkv": attn.qkv_proj.weight,
+            "qkv_bias": attn.qkv_proj.bias, "o": attn.o_proj.weight,
+            "post_norm": self.post_attention_layernorm.weight,
+            "gate_up": mlp.gate_up_proj.weight, "down": mlp.down_proj.weight,
+            "packed": (attn.qkv_proj.packed, attn.o_proj.packed, mlp.gate_up_proj.packed,
+                       mlp.down_proj.packed),
+            "window": attn.attn.sliding_window, "eps": self.input_layernorm.eps,
+            "scale": attn.attn.scale,
+        }  # fmt: skip
 
 
 class LlamaModel(nn.Module):
@@ -211,21 +223,9 @@ class LlamaModel(nn.Module):
     def make_decode_stack(self) -> ops.DecodeStack | None:
         """The fused stack of every layer, or None unless each layer would take its own
         fused path (``use_kernel`` on the layer and its attention)."""
-        layers = []
-        for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            if not (layer.use_kernel and attn.attn.use_kernel):
-                return None
-            layers.append({
-                "in_norm": layer.input_layernorm.weight, "qkv": attn.qkv_proj.weight,
-                "qkv_bias": attn.qkv_proj.bias, "o": attn.o_proj.weight,
-                "post_norm": layer.post_attention_layernorm.weight,
-                "gate_up": mlp.gate_up_proj.weight, "down": mlp.down_proj.weight,
-                "packed": (attn.qkv_proj.packed, attn.o_proj.packed, mlp.gate_up_proj.packed,
-                           mlp.down_proj.packed),
-                "window": attn.attn.sliding_window, "eps": layer.input_layernorm.eps,
-                "scale": attn.attn.scale,
-            })  # fmt: skip
+        if not all(layer.use_kernel and layer.self_attn.attn.use_kernel for layer in self.layers):
+            return None
+        layers = [layer.fused_weights() for layer in self.layers]
         cfg = self.config
         return ops.make_decode_stack(layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
 
