@@ -4,8 +4,9 @@
   HF's (a divergence counts only at a near tie), although decode seats only 64 at once:
   the rest wait in its reservation FIFO, served as blocks free up.
 - 4x over a gateway's capacity (256 streams at a cap of 64), burst after burst: the
-  excess gets RESOURCE_EXHAUSTED within a second, nothing else fails, every worker's free
-  KV blocks return to their initial value, and no process's RSS keeps growing once warm.
+  excess gets RESOURCE_EXHAUSTED without waiting for a slot (within a second, median
+  over the bursts), nothing else fails, every worker's free KV blocks return to their
+  initial value, and no process's RSS keeps growing once warm.
 """
 
 from __future__ import annotations
@@ -42,12 +43,13 @@ PROMPT_LEN = 24
 LABELS = [f"load-{i}" for i in range(16)]  # 16 distinct prompts, each sent many times
 STREAMS = 256
 SMALL_CAP = 64
-# How fast refusals must come: the median of a burst's, and every one. A refusal that
-# waited for a slot would take as long as the burst (1.5-4 s here) and push the median
-# past the first bound; the second leaves room for one stalled client loop on 2 shared
-# cores (1.7 s once in twelve bursts of a full-suite run).
+# How fast refusals must come. A refusal that waited for a slot would take as long as the
+# stream holding it, so in every burst the median refusal must come sooner than the
+# median admitted stream ends, and none may outlast the longest one: both scale with a
+# stall of the shared cores, which stretches the whole burst. Over all bursts together the
+# median must stay under REFUSAL_P50_S (a CI run on 2 cores once had one burst stall to a
+# 1.8 s median, the other eleven at 0.14-0.2 s).
 REFUSAL_P50_S = 1.0
-REFUSAL_MAX_S = 2.5
 # A worker's RSS climbs over its first bursts (the native allocator's arenas and caches
 # warming to the batch shapes: Python's own heap stays flat, measured with tracemalloc)
 # and then stays level, though it swings by 20-30 MiB from one burst to the next as the
@@ -198,6 +200,7 @@ def test_four_times_over_capacity_the_excess_is_refused_at_once(
     rss: list[dict[str, int]] = []
     rounds = asyncio.run(run())
     full = sum(held for _, held in rounds)
+    pooled: list[float] = []
     assert full >= BURSTS // 2, f"only {full} of {BURSTS} bursts kept every slot taken"
     for outcomes, held in rounds:
         served = [
@@ -210,18 +213,28 @@ def test_four_times_over_capacity_the_excess_is_refused_at_once(
         if held:  # else the excess rightly took the slots that freed up
             assert len(refused) >= 2 * SMALL_CAP, (len(served), len(refused))
         times = sorted(o.elapsed_s for o in refused) or [0.0]
+        streams = sorted(o.elapsed_s for o in outcomes[:SMALL_CAP])
         slowest = times[-1]
         median = times[len(times) // 2]
-        assert median < REFUSAL_P50_S, f"refusals took {median:.2f} s (median)"
-        assert slowest < REFUSAL_MAX_S, f"a refusal took {slowest:.2f} s"
+        assert median < streams[len(streams) // 2], (
+            f"refusals took {median:.2f} s (median), as long as the streams holding the "
+            f"slots ({streams[len(streams) // 2]:.2f} s)"
+        )
+        assert slowest < streams[-1], f"a refusal took {slowest:.2f} s, past every stream"
+        pooled += times
         assert all(f"limit of {SMALL_CAP} concurrent streams" in o.details for o in refused)
         _check_tokens(
             [o for o, _ in served], [label for _, label in served], reference, BURST_TOKENS
         )
         print(
             f"4x burst: {len(served)} served, {len(refused)} refused in "
-            f"{median * 1000:.0f} ms (p50) / {slowest * 1000:.0f} ms (max)"
+            f"{median * 1000:.0f} ms (p50) / {slowest * 1000:.0f} ms (max); streams held "
+            f"their slots {streams[len(streams) // 2]:.1f} s (p50)"
         )
+    pooled.sort()
+    assert pooled[len(pooled) // 2] < REFUSAL_P50_S, (
+        f"refusals took {pooled[len(pooled) // 2]:.2f} s (median over {BURSTS} bursts)"
+    )
     # RSS: level once warm.
     for name in pids:
         readings = [r[name] for r in rss]
