@@ -27,6 +27,7 @@ from engine.compute_thread import ComputeThread
 from engine.config import EngineConfig, ModelConfig
 from engine.device import build_on, resolve_device
 from engine.forward_context import AttentionMetadata, ForwardContext, PrefillSeq, forward_context
+from engine.huge_pages import zeros_on_huge_pages
 from engine.kv_layout import KVLayout
 from engine.models.llama import LlamaForCausalLM
 from engine.sampler import Sampler, SamplingRow, position_generator
@@ -121,7 +122,9 @@ class ModelRunner:
         # Parameters already are in dtype; this casts the fp32 rope tables, as HF does.
         model = model.to(self.dtype).eval()
         model.prepare_fast_path()
-        if kv_pool is None:
+        if kv_pool is None and self.device.type == "cpu":
+            kv_pool = zeros_on_huge_pages(shape, self.dtype)
+        elif kv_pool is None:
             kv_pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
         return model, kv_pool, Sampler(self.device, self.cfg.seed)
 

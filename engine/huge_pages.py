@@ -1,0 +1,73 @@
+"""Transparent huge pages for the KV pool on CPU.
+
+A decode step reads every sequence's K and V through its block table, and a paged block
+of one head is 2-4 KiB: with 4 KiB pages each block is a page of its own, at a random
+place in the pool, so nearly every block read misses the TLB and walks the page tables
+before the hardware prefetcher can start on it. Backing the pool with 2 MiB pages keeps
+the walks rare. Measured on W1-like decode steps (26 sequences, ~350 tokens of context,
+SmolLM2-135M, 2 threads): the decode attention of all 30 layers went from 39.8 to 31.8 ms
+in fp32 and from 30.4 to 22.7 ms in bf16.
+
+Linux only, and only where the kernel's THP mode is ``madvise`` or ``always``; anywhere
+else the pool is an ordinary tensor. The pool is advised before its first touch, so its
+pages are huge from the start and nothing has to be copied later. ``BATON_HUGE_PAGES=0``
+turns it off (read at each allocation).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import mmap
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+HUGE_PAGE_BYTES = 2 << 20
+_THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def thp_mode() -> str:
+    """The kernel's transparent-huge-page mode (``always``, ``madvise``, ``never``), or
+    ``unavailable`` off Linux or without THP."""
+    if not sys.platform.startswith("linux"):
+        return "unavailable"
+    try:
+        text = _THP_MODE.read_text()
+    except OSError:
+        return "unavailable"
+    start, end = text.find("["), text.find("]")
+    return text[start + 1 : end] if 0 <= start < end else "unavailable"
+
+
+def huge_pages_enabled() -> bool:
+    return os.environ.get("BATON_HUGE_PAGES", "1") != "0" and thp_mode() in ("always", "madvise")
+
+
+def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``torch.zeros(shape, dtype=dtype)`` on the CPU, backed by huge pages where the
+    kernel allows.
+
+    The tensor gets an anonymous mapping of its own, 2 MiB-aligned and advised before
+    anything touches it: memory from the allocator may come from a heap whose pages are
+    already faulted in small (glibc serves blocks up to 32 MiB that way).
+    """
+    numel = math.prod(shape)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if not huge_pages_enabled() or nbytes < HUGE_PAGE_BYTES:
+        return torch.zeros(shape, dtype=dtype)
+    span = nbytes + HUGE_PAGE_BYTES  # room to start on a huge-page edge
+    buffer = mmap.mmap(-1, span, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    base = torch.frombuffer(buffer, dtype=torch.uint8, count=1).data_ptr()
+    offset = -base % HUGE_PAGE_BYTES
+    try:
+        buffer.madvise(mmap.MADV_HUGEPAGE, offset, nbytes // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES)
+    except OSError as exc:
+        logger.warning("madvise(MADV_HUGEPAGE) failed, the KV pool uses small pages: %s", exc)
+    # The tensor keeps the mapping alive; the slack before ``offset`` is never touched.
+    tensor = torch.frombuffer(buffer, dtype=dtype, count=numel, offset=offset).view(shape)
+    return tensor.zero_()  # the first touch: faults in huge pages where advised
