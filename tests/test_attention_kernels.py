@@ -336,6 +336,58 @@ def test_linear_with_packed_weight_matches_f_linear(dtype: torch.dtype, rows: in
     torch.testing.assert_close(got.float(), ref, rtol=tol, atol=tol)
 
 
+@needs_kernels
+def test_panels_hold_the_weight_by_64_column_panels() -> None:
+    w = torch.randn((130, 48))
+    panels = ops.pack_panels(w)
+    assert panels is not None and panels.shape == (3, 48, 64) and panels.dtype == torch.float32
+    for n in (0, 63, 64, 129):
+        assert torch.equal(panels[n // 64, :, n % 64], w[n])
+    assert not panels[2, :, 130 - 128 :].any()  # the padding columns
+    assert torch.equal(ops.pack_panels(w.bfloat16()), ops.pack_panels(w.bfloat16().float()))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 26, 64])
+def test_linear_on_panels_matches_f_linear(dtype: torch.dtype, rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    w = (0.05 * torch.randn((130, 96), generator=gen)).to(dtype)
+    b = torch.randn(130, generator=gen).to(dtype)
+    x = torch.randn((rows, 96), generator=gen).to(dtype)
+    got = ops.linear(x, w, b, None, None, ops.pack_panels(w))
+    ref = F.linear(x.double(), w.double(), b.double())
+    assert got.dtype == dtype and got.shape == (rows, 130)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+    else:  # fp32 sums of exact products, rounded to bf16 once
+        torch.testing.assert_close(got, ref.to(dtype), rtol=8e-3, atol=1e-5)
+
+
+@needs_kernels
+def test_panels_serve_decode_sized_batches_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert KERNELS is not None
+    w = torch.randn((64, 32))
+    panels = ops.pack_panels(w)
+    rows_seen = []
+
+    class Counting:
+        def __getattr__(self, name: str):  # noqa: ANN204 - delegates to torch.ops.baton_cpu
+            return getattr(KERNELS.ops, name)
+
+        def linear_panels(self, x, *args):  # noqa: ANN001, ANN202
+            rows_seen.append(x.shape[0])
+            return KERNELS.ops.linear_panels(x, *args)
+
+    monkeypatch.setattr(
+        ops, "cpu_kernels", lambda: kernels_cpu.CpuKernels(Counting(), KERNELS.bf16_dot)
+    )
+    for rows in (1, ops.PANEL_MAX_ROWS, ops.PANEL_MAX_ROWS + 1):
+        x = torch.randn((rows, 32))
+        torch.testing.assert_close(ops.linear(x, w, None, None, None, panels), F.linear(x, w))
+    assert rows_seen == [1, ops.PANEL_MAX_ROWS]
+
+
 def _tiny_layer(dtype: torch.dtype) -> tuple[DecoderLayer, ModelConfig]:
     cfg = ModelConfig(
         model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2,
@@ -353,17 +405,25 @@ def _tiny_layer(dtype: torch.dtype) -> tuple[DecoderLayer, ModelConfig]:
 
 @needs_kernels
 @pytest.mark.parametrize(
-    ("dtype", "rows"), [(torch.bfloat16, 1), (torch.bfloat16, 3), (torch.float32, 1)]
+    ("dtype", "rows", "packs"),
+    [
+        (torch.bfloat16, 1, False),
+        (torch.bfloat16, 3, False),
+        (torch.float32, 1, False),
+        (torch.float32, 3, True),  # panels from the first row in fp32
+        (torch.bfloat16, 7, True),  # bf16: the GEMV up to 4 rows, panels past it
+    ],
 )
-def test_fused_decode_layer_equals_its_kernels(dtype: torch.dtype, rows: int) -> None:
+def test_fused_decode_layer_equals_its_kernels(dtype: torch.dtype, rows: int, packs: bool) -> None:
     assert KERNELS is not None
     if dtype == torch.bfloat16 and not KERNELS.bf16_dot:
         pytest.skip("needs AVX512-BF16 build")
     layer, cfg = _tiny_layer(dtype)
     block = 16
     gen = torch.Generator().manual_seed(rows)
-    lens = [37, 5, 70][:rows]
-    tables = [[3, 1, 6], [4, 0, 0], [2, 7, 5, 8, 9]][:rows]
+    # Each row's new token lands in a slot of its own.
+    lens = [37, 5, 70, 12, 20, 50, 3][:rows]
+    tables = [[3, 1, 6], [4, 0, 0], [2, 7, 5, 8, 9], [5], [6, 9], [8, 1, 3, 4], [0]][:rows]
     width = max(len(t) for t in tables)
     cache = torch.randn((2, 2, cfg.num_kv_heads, 10, block, cfg.head_dim), generator=gen).to(dtype)
     hidden = torch.randn((rows, cfg.hidden_size), generator=gen).to(dtype)
@@ -380,23 +440,32 @@ def test_fused_decode_layer_equals_its_kernels(dtype: torch.dtype, rows: int) ->
         prefills=[],
     )  # fmt: skip
     attn = layer.self_attn
+    mods = (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    onednn = [ops.pack_linear_weight(m.weight) if packs else None for m in mods]
+    panels = [ops.pack_panels(m.weight) if packs else None for m in mods]
+    if packs:
+        assert all(p is not None for p in panels)
+
+    def lin(x: torch.Tensor, i: int) -> torch.Tensor:
+        return ops.linear(x, mods[i].weight, None, onednn[i], None, panels[i])
+
     with torch.inference_mode():
         ref_cache = cache.clone()
         with forward_context(ForwardContext(meta, ref_cache)):
             x = layer.input_layernorm(hidden)
-            qkv = ops.linear(x, attn.qkv_proj.weight)
+            qkv = lin(x, 0)
             q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
             q, k = attn.rope(positions, q.view(rows, -1, 16), k.view(rows, -1, 16))
             o = attn.attn(q, k, v.view(rows, -1, 16))
-            h1 = hidden + ops.linear(o, attn.o_proj.weight)
-            gate_up = ops.linear(layer.post_attention_layernorm(h1), layer.mlp.gate_up_proj.weight)
-            ref = h1 + ops.linear(ops.silu_and_mul(gate_up), layer.mlp.down_proj.weight)
+            h1 = hidden + lin(o, 1)
+            gate_up = lin(layer.post_attention_layernorm(h1), 2)
+            ref = h1 + lin(ops.silu_and_mul(gate_up), 3)
         got = ops.decode_layer(
             hidden, positions, cache, 1, meta.slot_mapping, meta.decode_block_tables, lens_t,
             attn.rope.cos, attn.rope.sin, layer.input_layernorm.weight, attn.qkv_proj.weight,
             None, attn.o_proj.weight, layer.post_attention_layernorm.weight,
             layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight, cfg.num_heads,
-            cfg.rms_norm_eps, attn.attn.scale,
+            cfg.rms_norm_eps, attn.attn.scale, packed=(*onednn, *panels),
         )  # fmt: skip
         # And the plain-torch modules, within rounding.
         torch_cache = cache.clone()

@@ -76,6 +76,9 @@ def test_engine_runs_the_fast_path_by_default(
     if torch.backends.mkldnn.is_available():
         assert all(m.packed is not None for m in linears)
     assert (model.model.decode_stack is not None) == (cpu_kernels() is not None)
+    if cpu_kernels() is not None:  # and the decode batches run on the panels
+        assert all(m.panels is not None for m in linears)
+        assert all(p is not None for panels in model.model.decode_stack.packed[4:] for p in panels)
     calls = {"stack": 0}
     real = ops.decode_stack
 
@@ -140,6 +143,7 @@ def test_set_fast_path_round_trips(tiny_llama: Path) -> None:
     model.set_fast_path(False)
     assert all(not m.use_kernel for m in model.modules() if hasattr(m, "use_kernel"))
     assert all(m.packed is None for m in model.modules() if isinstance(m, Linear))
+    assert all(m.panels is None for m in model.modules() if isinstance(m, Linear))
     model.set_fast_path(True)
     after = {n: m.use_kernel for n, m in model.named_modules() if hasattr(m, "use_kernel")}
     assert after == before

@@ -18,6 +18,7 @@
 
 #include "csrc/attention.h"
 #include "csrc/linear.h"
+#include "csrc/panel_linear.h"
 #include "csrc/pointwise.h"
 #include "csrc/vec16.h"
 
@@ -27,6 +28,8 @@ namespace baton_kernels {
 
 // Rows up to which the bf16 GEMV kernel beats oneDNN (engine/kernels/ops.py GEMV_MAX_ROWS).
 constexpr int64_t kGemvMaxRows = 4;
+// Rows up to which the panel-packed kernel runs (engine/kernels/ops.py PANEL_MAX_ROWS).
+constexpr int64_t kPanelMaxRows = 64;
 
 // y = x W^T (+ b) with a weight that torch.ops.mkldnn._reorder_linear_weight prepacked,
 // through the dispatcher (the op lives in libtorch_cpu's mkldnn library).
@@ -43,13 +46,15 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const st
 }
 
 // The linear layer the Python path (engine.kernels.ops.linear) would run for these rows:
-// the bf16 GEMV up to kGemvMaxRows rows, else the prepacked weight when there is one
-// (not for a single fp32 row, where MKL's GEMV is at the bandwidth), else at::linear.
+// the bf16 GEMV up to kGemvMaxRows rows, then the panel-packed kernel up to kPanelMaxRows
+// when there are panels, else the prepacked weight when there is one (not for a single
+// fp32 row, where MKL's GEMV is at the bandwidth), else at::linear.
 at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& packed,
-                        const std::optional<at::Tensor>& bias) {
+                        const std::optional<at::Tensor>& panels, const std::optional<at::Tensor>& bias) {
   const int64_t M = x.size(0);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   if (bf16 && M <= kGemvMaxRows && kHasBf16Dot) return linear_bf16(x, w, bias);
+  if (panels.has_value() && panels->defined() && M <= kPanelMaxRows) return linear_panels(x, *panels, w.size(0), bias);
   if (packed.has_value() && packed->defined() && packed->scalar_type() == x.scalar_type() && (bf16 || M > 1))
     return packed_linear(x, *packed, bias);
   return at::linear(x, w, bias);
@@ -60,7 +65,8 @@ at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& w, const std::opt
 // per-op dispatch of the Python layer costs about as much as the attention itself, and the
 // whole layer runs without the GIL. Weights are HF-packed: qkv_w [(H + 2 Hkv) D, C],
 // o_w [C, H D], gate_up_w [2 I, C], down_w [C, I]; *_p are their oneDNN-prepacked copies
-// (or None). Each linear layer is the one ``layer_linear`` picks for M rows.
+// (or None), *_pp their panel-packed copies (pack_panels, or None). Each linear layer is
+// the one ``layer_linear`` picks for M rows.
 at::Tensor decode_layer(const at::Tensor& hidden, const at::Tensor& positions, at::Tensor& kv_cache, int64_t layer,
                         const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                         const at::Tensor& context_lens, const at::Tensor& cos, const at::Tensor& sin,
@@ -68,14 +74,16 @@ at::Tensor decode_layer(const at::Tensor& hidden, const at::Tensor& positions, a
                         const at::Tensor& o_w, const at::Tensor& post_norm_w, const at::Tensor& gate_up_w,
                         const at::Tensor& down_w, const std::optional<at::Tensor>& qkv_p,
                         const std::optional<at::Tensor>& o_p, const std::optional<at::Tensor>& gate_up_p,
-                        const std::optional<at::Tensor>& down_p, int64_t num_heads, double eps, double scale,
+                        const std::optional<at::Tensor>& down_p, const std::optional<at::Tensor>& qkv_pp,
+                        const std::optional<at::Tensor>& o_pp, const std::optional<at::Tensor>& gate_up_pp,
+                        const std::optional<at::Tensor>& down_pp, int64_t num_heads, double eps, double scale,
                         int64_t window) {
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "decode_layer: hidden must be contiguous [M, C]");
   const int64_t M = hidden.size(0);
   const int64_t Hkv = kv_cache.size(2), D = kv_cache.size(5), H = num_heads;
   TORCH_CHECK(qkv_w.size(0) == (H + 2 * Hkv) * D, "decode_layer: qkv_w rows != (heads + 2 kv_heads) * head_dim");
   const at::Tensor x = rms_norm(hidden, in_norm_w, eps);
-  const at::Tensor qkv = layer_linear(x, qkv_w, qkv_p, qkv_b);
+  const at::Tensor qkv = layer_linear(x, qkv_w, qkv_p, qkv_pp, qkv_b);
   const at::Tensor q = qkv.narrow(1, 0, H * D).view({M, H, D});
   const at::Tensor k = qkv.narrow(1, H * D, Hkv * D).view({M, Hkv, D});
   const at::Tensor v = qkv.narrow(1, (H + Hkv) * D, Hkv * D).view({M, Hkv, D});
@@ -83,10 +91,10 @@ at::Tensor decode_layer(const at::Tensor& hidden, const at::Tensor& positions, a
   write_kv(kv_cache, layer, kr, v, slot_mapping);
   at::Tensor attn = at::empty({M, H, D}, hidden.options());
   decode_attention(attn, qr, kv_cache, layer, block_tables, context_lens, scale, window);
-  const at::Tensor h1 = at::add(hidden, layer_linear(attn.view({M, H * D}), o_w, o_p, std::nullopt));
+  const at::Tensor h1 = at::add(hidden, layer_linear(attn.view({M, H * D}), o_w, o_p, o_pp, std::nullopt));
   const at::Tensor x2 = rms_norm(h1, post_norm_w, eps);
-  const at::Tensor act = silu_and_mul(layer_linear(x2, gate_up_w, gate_up_p, std::nullopt));
-  return at::add(h1, layer_linear(act, down_w, down_p, std::nullopt));
+  const at::Tensor act = silu_and_mul(layer_linear(x2, gate_up_w, gate_up_p, gate_up_pp, std::nullopt));
+  return at::add(h1, layer_linear(act, down_w, down_p, down_pp, std::nullopt));
 }
 
 // The optional entry ``i`` of a ``Tensor?[]`` argument.
@@ -107,20 +115,25 @@ at::Tensor decode_stack(const at::Tensor& hidden, const at::Tensor& positions, a
                         const c10::List<std::optional<at::Tensor>>& qkv_p,
                         const c10::List<std::optional<at::Tensor>>& o_p,
                         const c10::List<std::optional<at::Tensor>>& gate_up_p,
-                        const c10::List<std::optional<at::Tensor>>& down_p, int64_t num_heads, double eps,
+                        const c10::List<std::optional<at::Tensor>>& down_p,
+                        const c10::List<std::optional<at::Tensor>>& qkv_pp,
+                        const c10::List<std::optional<at::Tensor>>& o_pp,
+                        const c10::List<std::optional<at::Tensor>>& gate_up_pp,
+                        const c10::List<std::optional<at::Tensor>>& down_pp, int64_t num_heads, double eps,
                         double scale, at::IntArrayRef windows) {
   const size_t L = qkv_w.size();
   TORCH_CHECK(in_norm_w.size() == L && qkv_b.size() == L && o_w.size() == L && post_norm_w.size() == L &&
                   gate_up_w.size() == L && down_w.size() == L && qkv_p.size() == L && o_p.size() == L &&
-                  gate_up_p.size() == L && down_p.size() == L && windows.size() == L,
+                  gate_up_p.size() == L && down_p.size() == L && qkv_pp.size() == L && o_pp.size() == L &&
+                  gate_up_pp.size() == L && down_pp.size() == L && windows.size() == L,
               "decode_stack: every per-layer list needs one entry per layer");
   TORCH_CHECK(int64_t(L) <= kv_cache.size(0), "decode_stack: ", L, " layers but a KV cache of ", kv_cache.size(0));
   at::Tensor h = hidden;
   for (size_t l = 0; l < L; ++l)
     h = decode_layer(h, positions, kv_cache, int64_t(l), slot_mapping, block_tables, context_lens, cos, sin,
                      in_norm_w[l], qkv_w[l], entry(qkv_b, l), o_w[l], post_norm_w[l], gate_up_w[l], down_w[l],
-                     entry(qkv_p, l), entry(o_p, l), entry(gate_up_p, l), entry(down_p, l), num_heads, eps, scale,
-                     windows[l]);
+                     entry(qkv_p, l), entry(o_p, l), entry(gate_up_p, l), entry(down_p, l), entry(qkv_pp, l),
+                     entry(o_pp, l), entry(gate_up_pp, l), entry(down_pp, l), num_heads, eps, scale, windows[l]);
   return h;
 }
 
@@ -137,17 +150,21 @@ TORCH_LIBRARY(baton_cpu, m) {
   m.def("rotary(Tensor q, Tensor k, Tensor cos, Tensor sin, Tensor positions) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("linear_bf16(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("pack_panels(Tensor w) -> Tensor");
+  m.def("linear_panels(Tensor x, Tensor panels, int n, Tensor? bias) -> Tensor");
   m.def(
       "decode_layer(Tensor hidden, Tensor positions, Tensor(a!) kv_cache, int layer, Tensor slot_mapping, "
       "Tensor block_tables, Tensor context_lens, Tensor cos, Tensor sin, Tensor in_norm_w, Tensor qkv_w, "
       "Tensor? qkv_b, Tensor o_w, Tensor post_norm_w, Tensor gate_up_w, Tensor down_w, Tensor? qkv_p, "
-      "Tensor? o_p, Tensor? gate_up_p, Tensor? down_p, int num_heads, float eps, float scale, int window=0) -> Tensor");
+      "Tensor? o_p, Tensor? gate_up_p, Tensor? down_p, Tensor? qkv_pp, Tensor? o_pp, Tensor? gate_up_pp, "
+      "Tensor? down_pp, int num_heads, float eps, float scale, int window=0) -> Tensor");
   m.def(
       "decode_stack(Tensor hidden, Tensor positions, Tensor(a!) kv_cache, Tensor slot_mapping, "
       "Tensor block_tables, Tensor context_lens, Tensor cos, Tensor sin, Tensor[] in_norm_w, Tensor[] qkv_w, "
       "Tensor?[] qkv_b, Tensor[] o_w, Tensor[] post_norm_w, Tensor[] gate_up_w, Tensor[] down_w, "
-      "Tensor?[] qkv_p, Tensor?[] o_p, Tensor?[] gate_up_p, Tensor?[] down_p, int num_heads, float eps, "
-      "float scale, int[] windows) -> Tensor");
+      "Tensor?[] qkv_p, Tensor?[] o_p, Tensor?[] gate_up_p, Tensor?[] down_p, Tensor?[] qkv_pp, "
+      "Tensor?[] o_pp, Tensor?[] gate_up_pp, Tensor?[] down_pp, int num_heads, float eps, float scale, "
+      "int[] windows) -> Tensor");
   m.def("has_bf16_dot() -> bool", &has_bf16_dot);
 }
 
@@ -158,6 +175,8 @@ TORCH_LIBRARY_IMPL(baton_cpu, CPU, m) {
   m.impl("rotary", &rotary);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("linear_bf16", &linear_bf16);
+  m.impl("pack_panels", &pack_panels);
+  m.impl("linear_panels", &linear_panels);
   m.impl("decode_layer", &decode_layer);
   m.impl("decode_stack", &decode_stack);
 }

@@ -28,6 +28,11 @@ GEMV_MAX_ROWS = 4
 # SmolLM2-135M) but loses while reading the twice-as-large weight dominates (even at 64
 # rows, behind below; ``benchmarks/decode_step.py``-style runs, one thread).
 WIDE_MIN_ROWS = 128
+# Rows up to which a linear layer with panel-packed weights (``pack_panels``) runs the
+# panel kernel (csrc/panel_linear.h): the decode batches. Against oneDNN's prepacked
+# matmul on SmolLM2-135M's 120 layer weights read from DRAM (fp32, 2 threads): 1.5x at
+# 26 rows, 1.3x at 64 (``benchmarks/panel_linear.py``).
+PANEL_MAX_ROWS = 64
 _ACT_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -55,20 +60,35 @@ def pack_linear_weight(weight: torch.Tensor, wide: bool = False) -> torch.Tensor
         return None
 
 
+def pack_panels(weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight [N, K] as fp32 panels of 64 output columns for ``linear``'s decode-sized
+    batches (a further copy in memory, twice the size for bf16), or None where the
+    compiled kernels don't serve it."""
+    if weight.device.type != "cpu" or weight.dtype not in _ACT_DTYPES or weight.dim() != 2:
+        return None
+    kernels = cpu_kernels()
+    if kernels is None:
+        return None
+    return kernels.ops.pack_panels(weight.detach())
+
+
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     packed: torch.Tensor | None = None,
     packed_wide: torch.Tensor | None = None,
+    panels: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)``; ``packed`` is ``pack_linear_weight(weight)`` or None,
-    ``packed_wide`` is ``pack_linear_weight(weight, wide=True)`` or None.
+    ``packed_wide`` is ``pack_linear_weight(weight, wide=True)`` or None, ``panels`` is
+    ``pack_panels(weight)`` or None.
 
     bf16 CPU batches of up to ``GEMV_MAX_ROWS`` rows run the AVX512-BF16 GEMV kernel, which
-    streams the weight at nearly the memory bandwidth (oneDNN: about half of it). bf16
-    batches of ``WIDE_MIN_ROWS`` rows or more run on the widened weight as fp32 GEMMs.
-    Other batches (and fp32 from two rows) use the prepacked weight when there is one.
+    streams the weight at nearly the memory bandwidth (oneDNN: about half of it). Then,
+    up to ``PANEL_MAX_ROWS`` rows, the panel kernel when there are panels. bf16 batches of
+    ``WIDE_MIN_ROWS`` rows or more run on the widened weight as fp32 GEMMs. Other batches
+    (and fp32 from two rows) use the prepacked weight when there is one.
     """
     if x.dim() == 2 and x.is_cpu:
         rows = x.shape[0]
@@ -84,6 +104,15 @@ def linear(
             kernels = cpu_kernels()
             if kernels is not None and kernels.bf16_dot:
                 return kernels.ops.linear_bf16(x, weight, bias)
+        if (
+            panels is not None
+            and rows <= PANEL_MAX_ROWS
+            and x.dtype in _ACT_DTYPES
+            and x.dtype == weight.dtype
+            and x.stride(1) == 1
+            and (bias is None or bias.dtype == x.dtype)
+        ):
+            return cpu_kernels().ops.linear_panels(x, panels, weight.shape[0], bias)
         if (
             packed_wide is not None
             and rows >= WIDE_MIN_ROWS
@@ -132,16 +161,16 @@ def decode_layer(
     num_heads: int,
     eps: float,
     scale: float,
-    packed: tuple[torch.Tensor | None, ...] = (None, None, None, None),
+    packed: tuple[torch.Tensor | None, ...] = (None,) * 8,
     window: int = 0,
 ) -> torch.Tensor | None:
     """A whole Llama decoder layer over the decode rows of a step in one call, or None.
 
     Computes ``h = hidden + o(attn(rope(qkv(norm(hidden))))); h + down(silu_mul(gate_up(
-    norm2(h))))`` with the same kernels the modules run (bit-identical to them; ``window``: the
-    layer's sliding window, 0 for full attention), writing
-    the rows' K/V like the attention layer. ``packed`` holds the prepacked copies of
-    (qkv, o, gate_up, down) from ``pack_linear_weight`` (or None each); each linear layer
+    norm2(h))))`` with the same kernels the modules run (bit-identical to them; ``window``:
+    the layer's sliding window, 0 for full attention), writing the rows' K/V like the
+    attention layer. ``packed`` holds the prepacked copies of (qkv, o, gate_up, down) from
+    ``pack_linear_weight``, then their ``pack_panels`` (or None each); each linear layer
     picks what ``linear`` would pick for that many rows. For decode-only batches, where
     per-op dispatch from Python costs as much as the attention at small batches and the
     whole layer runs without the GIL. Returns None where it does not apply (not CPU,
@@ -203,7 +232,7 @@ def _layer_weights_ok(
         or head_dim > 256
         or num_heads // num_kv_heads > 16
         or any(w.shape[1] % 32 for w in (qkv_w, o_w, gate_up_w, down_w))
-        or len(packed) != 4
+        or len(packed) != 8
     )
 
 
@@ -211,8 +240,9 @@ def _layer_weights_ok(
 class DecodeStack:
     """Every layer's weights for ``decode_stack``, layer ``l`` at index ``l``; made by
     ``make_decode_stack``, which checks them once. ``packed`` holds the prepacked copies
-    (qkv, o, gate_up, down) per layer, ``windows`` each layer's sliding window (0: none).
-    The lists reference the parameters: remake the stack when they change."""
+    (qkv, o, gate_up, down) and then their panels per layer, ``windows`` each layer's
+    sliding window (0: none). The lists reference the parameters: remake the stack when
+    they change."""
 
     dtype: torch.dtype
     in_norm: list[torch.Tensor]
@@ -250,7 +280,7 @@ def make_decode_stack(
     return DecodeStack(
         dtype=dtype,
         **{k: [layer[k] for layer in layers] for k in (*keys, "qkv_bias")},
-        packed=tuple([layer["packed"][i] for layer in layers] for i in range(4)),
+        packed=tuple([layer["packed"][i] for layer in layers] for i in range(8)),
         windows=[layer["window"] for layer in layers],
         num_heads=num_heads,
         eps=layers[0]["eps"],

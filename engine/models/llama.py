@@ -44,11 +44,11 @@ def _sharded_loader(offsets: dict[str, tuple[int, int]]) -> Callable:
 class Linear(nn.Linear):
     """``nn.Linear`` that takes ``ops.linear``'s fast path on CPU (``use_kernel``).
 
-    ``prepack`` keeps a oneDNN-prepacked copy of the weight (a second copy in memory) and,
-    for a bf16 layer that sees large batches (``wide``: prefill chunks), an fp32 copy
-    too (a third, twice the size); call it again whenever the weight's values or dtype
-    change. A stale or missing copy is never used for another dtype: ``ops.linear`` then
-    runs ``F.linear``.
+    ``prepack`` keeps a oneDNN-prepacked copy of the weight (a second copy in memory), its
+    fp32 panels for decode-sized batches (``ops.pack_panels``; twice the size for bf16)
+    and, for a bf16 layer that sees large batches (``wide``: prefill chunks), an fp32
+    oneDNN copy too; call it again whenever the weight's values or dtype change. A stale
+    or missing copy is never used for another dtype: ``ops.linear`` then runs ``F.linear``.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True):
@@ -58,16 +58,18 @@ class Linear(nn.Linear):
         self.wide = True
         self.packed: torch.Tensor | None = None
         self.packed_wide: torch.Tensor | None = None
+        self.panels: torch.Tensor | None = None
 
     def prepack(self) -> None:
         fast = self.use_kernel
         self.packed = ops.pack_linear_weight(self.weight) if fast else None
+        self.panels = ops.pack_panels(self.weight) if fast else None
         wide = fast and self.wide and self.weight.dtype == torch.bfloat16
         self.packed_wide = ops.pack_linear_weight(self.weight, wide=True) if wide else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_kernel:
-            return ops.linear(x, self.weight, self.bias, self.packed, self.packed_wide)
+            return ops.linear(x, self.weight, self.bias, self.packed, self.packed_wide, self.panels)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -168,7 +170,8 @@ class DecoderLayer(nn.Module):
             "post_norm": self.post_attention_layernorm.weight,
             "gate_up": mlp.gate_up_proj.weight, "down": mlp.down_proj.weight,
             "packed": (attn.qkv_proj.packed, attn.o_proj.packed, mlp.gate_up_proj.packed,
-                       mlp.down_proj.packed),
+                       mlp.down_proj.packed, attn.qkv_proj.panels, attn.o_proj.panels,
+                       mlp.gate_up_proj.panels, mlp.down_proj.panels),
             "window": attn.attn.sliding_window, "eps": self.input_layernorm.eps,
             "scale": attn.attn.scale,
         }  # fmt: skip
