@@ -4,9 +4,9 @@ A decode step reads every sequence's K and V through its block table, and a page
 of one head is 2-4 KiB: with 4 KiB pages each block is a page of its own, at a random
 place in the pool, so nearly every block read misses the TLB and walks the page tables
 before the hardware prefetcher can start on it. Backing the pool with 2 MiB pages keeps
-the walks rare. Measured on W1-like decode steps (26 sequences, ~350 tokens of context,
-SmolLM2-135M, 2 threads): the decode attention of all 30 layers went from 39.8 to 31.8 ms
-in fp32 and from 30.4 to 22.7 ms in bf16.
+the walks rare. Decode attention over shuffled blocks (26 sequences, 9155 tokens of
+context, SmolLM2-135M's 30 layers, 2 threads) ran 1.20x faster in bf16 and 1.24x in fp32
+(``python -m benchmarks.kv_huge_pages``).
 
 Linux only, and only where the kernel's THP mode is ``madvise`` or ``always``; anywhere
 else the pool is an ordinary tensor. The pool is advised before its first touch, so its
