@@ -157,6 +157,10 @@ class EngineConfig:
     # the blocks each admitted request needs for its next kv_growth_tokens tokens (capped
     # by its max_tokens), so new arrivals do not push admitted requests into recompute.
     kv_growth_tokens: int = 128
+    # CPU: decode-sized batches (5-64 rows) run their linear layers on fp32 panels of the
+    # weights (engine.kernels.ops.pack_panels), a further copy of them in fp32 (~0.5 GB
+    # for SmolLM2-135M). Workers that only prefill leave it off (rpc.worker_config).
+    linear_panels: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:

@@ -121,6 +121,7 @@ class ModelRunner:
         model.load_weights(iter_safetensors(checkpoint, show_progress=show_progress))
         # Parameters already are in dtype; this casts the fp32 rope tables, as HF does.
         model = model.to(self.dtype).eval()
+        model.linear_panels = self.cfg.linear_panels
         model.prepare_fast_path()
         if kv_pool is None and self.device.type == "cpu":
             kv_pool = zeros_on_huge_pages(shape, self.dtype)

@@ -171,6 +171,8 @@ class WorkerConfig:
                 raise ValueError(f"{source}={raw!r} is not valid: {err}") from err
             (engine if target == "engine" else worker)[name] = value
         _resolve_addresses(role, worker)
+        # A prefill worker's batches are prompt chunks: panels would rarely serve them.
+        engine.setdefault("linear_panels", role != "prefill")
         return cls(role=role, engine=EngineConfig(**engine), **worker), bool(args.check_config)
 
 
@@ -252,6 +254,7 @@ _FIELDS: dict[str, tuple[Callable[[str], Any], str]] = {
     "log_level": (str.upper, "worker"),
     "max_queued_requests": (int, "engine"),
     "kv_growth_tokens": (int, "engine"),
+    "linear_panels": (_bool, "engine"),
     "tls_cert": (Path, "worker"),
     "tls_key": (Path, "worker"),
     "tls_ca": (Path, "worker"),
@@ -296,6 +299,8 @@ _HELP = {
     "(decode); past it RESOURCE_EXHAUSTED",
     "kv_growth_tokens": "decode: a reservation must leave free the blocks each admitted "
     "request needs for this many more tokens",
+    "linear_panels": "CPU: decode-sized batches run on fp32 panels of the weights, a further "
+    "copy of them (true/false; default true, false for prefill workers)",
     "tls_cert": "this worker's certificate (PEM); with --tls-key and --tls-ca: mTLS",
     "tls_key": "this worker's private key (PEM)",
     "tls_ca": "the fleet's CA bundle (PEM): clients and prefill peers must be signed by it",
@@ -312,7 +317,7 @@ _HELP = {
 
 def defaults(role: str) -> dict[str, Any]:
     """Every flag's default for ``role`` (for the README's configuration table)."""
-    cfg = WorkerConfig(role=role, engine=EngineConfig())
+    cfg = WorkerConfig(role=role, engine=EngineConfig(linear_panels=role != "prefill"))
     out = {f.name: getattr(cfg.engine, f.name) for f in dataclasses.fields(cfg.engine)}
     out.update(
         {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "engine"}

@@ -136,6 +136,17 @@ def test_bf16_logits_stay_within_tolerance_of_fp32(tiny_llama: Path) -> None:
             assert err < BF16_REL_TOL, f"bf16 fast={fast} step {step}: {err:.3g} of max logit"
 
 
+def test_an_engine_without_panels_keeps_none_and_decodes_the_same(tiny_llama: Path) -> None:
+    prompts = _prompts(3, seed=4)
+    with_panels = make_core(tiny_llama)
+    without = make_core(tiny_llama, linear_panels=False)
+    linears = [m for m in without.runner.model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.panels is None for m in linears)
+    stack = without.runner.model.model.decode_stack
+    assert stack is None or all(p is None for panels in stack.packed[4:] for p in panels)
+    assert with_panels.generate(prompts, GREEDY) == without.generate(prompts, GREEDY)
+
+
 def test_set_fast_path_round_trips(tiny_llama: Path) -> None:
     core = make_core(tiny_llama)
     model = core.runner.model
@@ -145,6 +156,8 @@ def test_set_fast_path_round_trips(tiny_llama: Path) -> None:
     assert all(m.packed is None for m in model.modules() if isinstance(m, Linear))
     assert all(m.panels is None for m in model.modules() if isinstance(m, Linear))
     model.set_fast_path(True)
+    if cpu_kernels() is not None:
+        assert all(m.panels is not None for m in model.modules() if isinstance(m, Linear))
     after = {n: m.use_kernel for n, m in model.named_modules() if hasattr(m, "use_kernel")}
     assert after == before
     assert any(isinstance(m, DecoderLayer) for m in model.modules())

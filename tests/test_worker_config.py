@@ -44,6 +44,17 @@ def test_bad_values_name_the_flag(argv: list[str], env: dict[str, str], needle: 
         WorkerConfig.from_args("decode", argv, env)
 
 
+def test_panels_are_for_workers_that_decode_unless_told() -> None:
+    assert WorkerConfig.from_args("prefill", [], {}).engine.linear_panels is False
+    assert WorkerConfig.from_args("decode", [], {}).engine.linear_panels is True
+    assert WorkerConfig.from_args("both", ["--single-process"], {}).engine.linear_panels is True
+    env = {"BATON_PREFILL_LINEAR_PANELS": "true"}
+    assert WorkerConfig.from_args("prefill", [], env).engine.linear_panels is True
+    cfg = WorkerConfig.from_args("decode", ["--linear-panels", "false"], {})
+    assert cfg.engine.linear_panels is False
+    assert defaults("prefill")["linear_panels"] is False and defaults("decode")["linear_panels"]
+
+
 def test_defaults_cover_every_flag() -> None:
     d = defaults("decode")
     assert d["transport"] == "shm" and d["block_size"] == 16 and d["max_num_seqs"] == 64

@@ -60,10 +60,10 @@ class Linear(nn.Linear):
         self.packed_wide: torch.Tensor | None = None
         self.panels: torch.Tensor | None = None
 
-    def prepack(self) -> None:
+    def prepack(self, panels: bool = True) -> None:
         fast = self.use_kernel
         self.packed = ops.pack_linear_weight(self.weight) if fast else None
-        self.panels = ops.pack_panels(self.weight) if fast else None
+        self.panels = ops.pack_panels(self.weight) if fast and panels else None
         wide = fast and self.wide and self.weight.dtype == torch.bfloat16
         self.packed_wide = ops.pack_linear_weight(self.weight, wide=True) if wide else None
 
@@ -251,6 +251,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head.wide = False  # it only sees the sampled rows of a step
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # Whether ``prepare_fast_path`` packs panels (EngineConfig.linear_panels).
+        self.linear_panels = True
         # What each module chose for itself (kernel availability, shapes it serves).
         self._fast_defaults = {
             name: mod.use_kernel for name, mod in self.named_modules() if hasattr(mod, "use_kernel")
@@ -272,12 +274,13 @@ class LlamaForCausalLM(nn.Module):
         self.prepare_fast_path()
 
     def prepare_fast_path(self) -> None:
-        """(Re)pack the linear weights for oneDNN and gather the fused decode stack. Call
-        after the weights are loaded and cast to their final dtype and device; a no-op for
-        layers on their torch twin."""
+        """(Re)pack the linear weights for oneDNN (and as panels, unless
+        ``linear_panels`` is False) and gather the fused decode stack. Call after the
+        weights are loaded and cast to their final dtype and device; a no-op for layers on
+        their torch twin."""
         for mod in self.modules():
             if isinstance(mod, Linear):
-                mod.prepack()
+                mod.prepack(panels=self.linear_panels)
         self.model.decode_stack = self.model.make_decode_stack()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
