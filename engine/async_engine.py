@@ -22,11 +22,15 @@ So the runner starts N+1 the moment N's samples exist, and the engine thread's w
 inside the forward of the step after. That is what a GPU wants. On a 2-core CPU the
 forward's OpenMP threads hold both cores and the engine's work is under 2% of a W1 step
 (``benchmarks/w1_profile.py``: the synchronous loop keeps a forward in flight 98% of
-the time), so overlap can win at most that much there; ``overlap=False`` instead runs
-the whole loop on the compute thread, one step after another. The busy fraction is the
-share of wall time with a forward in flight, measured by the runner the same way as in
-the synchronous loop. With a ``timeline`` (engine.timeline) the engine thread records
-its schedule / wait / update spans and the runner its prepare / forward / sample spans.
+the time), so overlap can win at most that much there, while the engine thread's work
+takes a core from the forward's team (W1 fp32: 152.1 tok/s overlapped against 163.7
+synchronous, ``benchmarks/results/w1_2026-12-03.md``). Where the forward's team holds
+every core the engine therefore runs the whole loop on the compute thread, one step after
+another (``overlap=False``, the default there); with a GPU or spare cores it overlaps.
+The busy fraction is the share of wall time with a forward in flight, measured by the
+runner the same way as in the synchronous loop. With a ``timeline`` (engine.timeline)
+the engine thread records its schedule / wait / update spans and the runner its
+prepare / forward / sample spans.
 """
 
 from __future__ import annotations
@@ -90,15 +94,19 @@ class AsyncEngine:
         core: EngineCore,
         *,
         on_death: Callable[[BaseException], None] | None = None,
-        overlap: bool = True,
+        overlap: bool | None = None,
         timeline: TimelineRecorder = OFF,
     ):
         """``overlap``: schedule and prepare step N+1 on the engine thread while step N
-        computes (the default). False runs the whole loop on the runner's compute thread,
-        one step after another like ``EngineCore.step``, so that nothing but the forward
-        runs while the forward's OpenMP threads hold both of a small CPU's cores.
+        computes. False runs the whole loop on the runner's compute thread, one step after
+        another like ``EngineCore.step``, so that nothing but the forward runs while the
+        forward's OpenMP threads hold every core. None (the default) picks False on a CPU
+        whose every core the forward's team holds, True otherwise (a GPU, or spare cores).
         ``on_death`` is called on the event loop, once, if the engine thread dies."""
         self.core = core
+        if overlap is None:
+            runner = core.runner
+            overlap = runner.device.type != "cpu" or not runner.compute.holds_every_core()
         self.overlap = overlap
         self.timeline = timeline
         core.runner.timeline = timeline  # the runner's spans go on the same timeline

@@ -91,6 +91,15 @@ class ComputeThread:
     def on_thread(self) -> bool:
         return threading.get_ident() == self._ident
 
+    def num_threads(self) -> int:
+        """torch's intra-op threads on the compute thread: the forward's OpenMP team."""
+        return self.call(torch.get_num_threads)
+
+    def holds_every_core(self) -> bool:
+        """Whether the forward's team is as large as the CPUs this process may run on:
+        then any other thread's work during a forward takes a core from it."""
+        return self.num_threads() >= len(os.sched_getaffinity(0))
+
     def submit(self, fn: Callable[..., T], *args: object) -> concurrent.futures.Future[T]:
         """Queue ``fn(*args)`` behind what is already queued; never blocks."""
         return self._pool.submit(fn, *args)

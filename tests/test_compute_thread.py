@@ -8,6 +8,7 @@ sleeps between regions (a team shows as new tasks of the process).
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -126,7 +127,7 @@ async def test_the_async_engine_thread_builds_steps_without_a_team(
     tiny_llama: Path, two_torch_threads: None
 ) -> None:
     core = make_core(tiny_llama, num_blocks=128)
-    engine = AsyncEngine(core)
+    engine = AsyncEngine(core, overlap=True)
     seen: set[tuple[bool, int]] = set()
     prepare = core.runner.prepare
 
@@ -143,6 +144,45 @@ async def test_the_async_engine_thread_builds_steps_without_a_team(
         await engine.shutdown()
         core.runner.close()
     assert seen == {(False, 1)}, "steps are prepared on the engine thread, serially"
+
+
+def test_the_async_engine_overlaps_only_where_the_forward_leaves_a_core_free(
+    tiny_llama: Path, two_torch_threads: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    core = make_core(tiny_llama, num_blocks=128)
+    try:
+        assert core.runner.compute.num_threads() == 2
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+        assert AsyncEngine(core).overlap is False  # the team holds both cores
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+        assert AsyncEngine(core).overlap is True
+        assert AsyncEngine(core, overlap=False).overlap is False
+    finally:
+        core.runner.close()
+
+
+async def test_the_serial_async_engine_runs_its_steps_on_the_compute_thread(
+    tiny_llama: Path, two_torch_threads: None
+) -> None:
+    core = make_core(tiny_llama, num_blocks=128)
+    engine = AsyncEngine(core, overlap=False)
+    seen: set[tuple[bool, int]] = set()
+    prepare = core.runner.prepare
+
+    def recording_prepare(sched):  # type: ignore[no-untyped-def]
+        seen.add((core.runner.compute.on_thread(), torch.get_num_threads()))
+        return prepare(sched)
+
+    core.runner.prepare = recording_prepare  # type: ignore[method-assign]
+    await engine.start()
+    try:
+        tokens = [t async for out in engine.generate("r", [5, 6, 7, 8], GREEDY)
+                  for t in out.new_token_ids]  # fmt: skip
+    finally:
+        await engine.shutdown()
+        core.runner.close()
+    assert seen == {(True, 2)}, "the whole loop runs on the compute thread, with its team"
+    assert len(tokens) == GREEDY.max_tokens
 
 
 def test_kv_transfer_workers_copy_and_verify_serially(
