@@ -24,7 +24,7 @@ forward's OpenMP threads hold both cores and the engine's work is under 2% of a 
 (``benchmarks/w1_profile.py``: the synchronous loop keeps a forward in flight 98% of
 the time), so overlap can win at most that much there, while the engine thread's work
 takes a core from the forward's team (W1 fp32: 152.1 tok/s overlapped against 163.7
-synchronous, ``benchmarks/results/w1_2026-12-03.md``). Where the forward's team holds
+synchronous, ``benchmarks/results/w1_2026-12-03_overlap.md``). Where the forward's team holds
 every core the engine therefore runs the whole loop on the compute thread, one step after
 another (``overlap=False``, the default there); with a GPU or spare cores it overlaps.
 The busy fraction is the share of wall time with a forward in flight, measured by the
