@@ -417,6 +417,8 @@ class AsyncEngine:
                     with tl.span("schedule", ENGINE):
                         sched = core.scheduler.schedule()
                     if not sched.empty:
+                        # Stats show what this step admitted while it computes.
+                        self._publish_stats()
                         sampled = core.runner.run(core.runner.prepare(sched))
                         with tl.span("update", ENGINE):
                             self._publish(core.update(sched, sampled))
