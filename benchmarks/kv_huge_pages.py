@@ -29,25 +29,10 @@ import torch
 
 from benchmarks.common import markdown_table
 from benchmarks.provenance import REPO, header_lines
-from engine.huge_pages import thp_mode, zeros_on_huge_pages
+from engine.huge_pages import huge_page_bytes, thp_mode, zeros_on_huge_pages
 from engine.kernels.cpu import cpu_kernels
 
 LAYERS, KV_HEADS, HEADS, HEAD_DIM, BLOCK = 30, 3, 9, 64, 16
-
-
-def _huge_bytes(tensor: torch.Tensor) -> int:
-    begin = tensor.data_ptr()
-    end = begin + tensor.numel() * tensor.element_size()
-    total, inside = 0, False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            head = line.split()[0]
-            if "-" in head and ":" not in head:
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo < end and begin < hi
-            elif inside and head == "AnonHugePages:":
-                total += int(line.split()[1]) * 1024
-    return total
 
 
 def main() -> None:
@@ -112,7 +97,7 @@ def main() -> None:
     rows = [
         [
             name,
-            f"{_huge_bytes(pools[name]) >> 20}",
+            f"{huge_page_bytes(pools[name]) >> 20}",
             f"{medians[name] * 1e3:.1f} ({min(ts) * 1e3:.1f}-{max(ts) * 1e3:.1f})",
             f"{read / medians[name] / 1e9:.1f}",
             f"{base / medians[name]:.2f}",

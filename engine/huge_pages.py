@@ -71,3 +71,23 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     # The tensor keeps the mapping alive; the slack before ``offset`` is never touched.
     tensor = torch.frombuffer(buffer, dtype=dtype, count=numel, offset=offset).view(shape)
     return tensor.zero_()  # the first touch: faults in huge pages where advised
+
+
+def huge_page_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of huge pages (AnonHugePages) under the mappings that overlap ``tensor``'s
+    memory, from /proc/self/smaps; 0 off Linux."""
+    begin = tensor.data_ptr()
+    end = begin + tensor.numel() * tensor.element_size()
+    total, inside = 0, False
+    try:
+        with open("/proc/self/smaps") as smaps:
+            for line in smaps:
+                head = line.split()[0]
+                if "-" in head and ":" not in head:
+                    lo, hi = (int(x, 16) for x in head.split("-"))
+                    inside = lo < end and begin < hi
+                elif inside and head == "AnonHugePages:":
+                    total += int(line.split()[1]) * 1024
+    except OSError:
+        return 0
+    return total

@@ -123,11 +123,13 @@ def test_a_synchronous_step_runs_its_torch_ops_on_the_compute_thread(tiny_llama:
     assert seen == {"prepare on the compute thread: True", "run on the compute thread: True"}
 
 
-async def test_the_async_engine_thread_builds_steps_without_a_team(
-    tiny_llama: Path, two_torch_threads: None
-) -> None:
+async def _where_steps_are_prepared(
+    tiny_llama: Path, overlap: bool
+) -> tuple[set[tuple[bool, int]], int]:
+    """(on the compute thread?, torch threads) of every step's input preparation in an
+    AsyncEngine run of one request, and the tokens it produced."""
     core = make_core(tiny_llama, num_blocks=128)
-    engine = AsyncEngine(core, overlap=True)
+    engine = AsyncEngine(core, overlap=overlap)
     seen: set[tuple[bool, int]] = set()
     prepare = core.runner.prepare
 
@@ -138,11 +140,18 @@ async def test_the_async_engine_thread_builds_steps_without_a_team(
     core.runner.prepare = recording_prepare  # type: ignore[method-assign]
     await engine.start()
     try:
-        async for _ in engine.generate("r", [5, 6, 7, 8], GREEDY):
-            pass
+        tokens = [t async for out in engine.generate("r", [5, 6, 7, 8], GREEDY)
+                  for t in out.new_token_ids]  # fmt: skip
     finally:
         await engine.shutdown()
         core.runner.close()
+    return seen, len(tokens)
+
+
+async def test_the_async_engine_thread_builds_steps_without_a_team(
+    tiny_llama: Path, two_torch_threads: None
+) -> None:
+    seen, _ = await _where_steps_are_prepared(tiny_llama, overlap=True)
     assert seen == {(False, 1)}, "steps are prepared on the engine thread, serially"
 
 
@@ -164,25 +173,9 @@ def test_the_async_engine_overlaps_only_where_the_forward_leaves_a_core_free(
 async def test_the_serial_async_engine_runs_its_steps_on_the_compute_thread(
     tiny_llama: Path, two_torch_threads: None
 ) -> None:
-    core = make_core(tiny_llama, num_blocks=128)
-    engine = AsyncEngine(core, overlap=False)
-    seen: set[tuple[bool, int]] = set()
-    prepare = core.runner.prepare
-
-    def recording_prepare(sched):  # type: ignore[no-untyped-def]
-        seen.add((core.runner.compute.on_thread(), torch.get_num_threads()))
-        return prepare(sched)
-
-    core.runner.prepare = recording_prepare  # type: ignore[method-assign]
-    await engine.start()
-    try:
-        tokens = [t async for out in engine.generate("r", [5, 6, 7, 8], GREEDY)
-                  for t in out.new_token_ids]  # fmt: skip
-    finally:
-        await engine.shutdown()
-        core.runner.close()
+    seen, tokens = await _where_steps_are_prepared(tiny_llama, overlap=False)
     assert seen == {(True, 2)}, "the whole loop runs on the compute thread, with its team"
-    assert len(tokens) == GREEDY.max_tokens
+    assert tokens == GREEDY.max_tokens
 
 
 def test_kv_transfer_workers_copy_and_verify_serially(

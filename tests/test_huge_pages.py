@@ -5,25 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.huge_pages import HUGE_PAGE_BYTES, thp_mode, zeros_on_huge_pages
+from engine.huge_pages import HUGE_PAGE_BYTES, huge_page_bytes, thp_mode, zeros_on_huge_pages
 
 THP = thp_mode() in ("always", "madvise")
-
-
-def _huge_bytes_under(tensor: torch.Tensor) -> int:
-    """AnonHugePages of the mappings that overlap ``tensor``'s memory (/proc/self/smaps)."""
-    begin = tensor.data_ptr()
-    end = begin + tensor.numel() * tensor.element_size()
-    total, inside = 0, False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            head = line.split()[0]
-            if "-" in head and ":" not in head:
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo < end and begin < hi
-            elif inside and head == "AnonHugePages:":
-                total += int(line.split()[1]) * 1024
-    return total
 
 
 @pytest.mark.skipif(not THP, reason=f"transparent huge pages are {thp_mode()} here")
@@ -33,7 +17,7 @@ def test_the_pool_is_zeroed_on_huge_pages() -> None:
     assert pool.shape == shape and pool.dtype == torch.bfloat16 and pool.is_contiguous()
     assert pool.data_ptr() % HUGE_PAGE_BYTES == 0
     assert not pool.any()
-    assert _huge_bytes_under(pool) == 12 * HUGE_PAGE_BYTES
+    assert huge_page_bytes(pool) == 12 * HUGE_PAGE_BYTES
 
 
 def test_switched_off_or_small_it_is_an_ordinary_zeroed_tensor(
@@ -45,4 +29,4 @@ def test_switched_off_or_small_it_is_an_ordinary_zeroed_tensor(
     pool = zeros_on_huge_pages(((64 << 20) // 4,), torch.float32)
     assert not pool.any()
     if thp_mode() != "always":
-        assert _huge_bytes_under(pool) == 0
+        assert huge_page_bytes(pool) == 0
