@@ -1,8 +1,9 @@
 """The decode side of the KV hand-off (``engine.transfer.handoff`` has the message flow).
 
 For one request: reserve blocks on the engine (the backpressure point: a request the pool
-cannot take waits in the engine's bounded reservation FIFO, up to the reserve timeout, and
-then fails with RESOURCE_EXHAUSTED, which the gateway retries elsewhere), lease them on
+cannot take waits in the engine's bounded reservation FIFO until blocks free up, its
+deadline passes or it is cancelled; a full FIFO fails it at once with RESOURCE_EXHAUSTED,
+which the gateway retries elsewhere), lease them on
 the KV inbox, order a prefill worker to fill them, follow its progress beats (each moves
 the lease's deadline), verify the transfer, wait for the lease to end, acknowledge, and
 only then let the request run and release its first token. Until that moment a failure
@@ -96,14 +97,10 @@ OpenLink = Callable[[str, float | None, Context | None], PrefillLink]
 class HandoffLimits:
     # Longest the prefill peer may go without a message that shows progress.
     stall_s: float = 30.0
-    # Longest a request may wait for free KV blocks before RESOURCE_EXHAUSTED.
-    reserve_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.stall_s <= 0:
             raise ValueError(f"stall_s must be > 0, got {self.stall_s}")
-        if self.reserve_timeout_s < 0:
-            raise ValueError(f"reserve_timeout_s must be >= 0, got {self.reserve_timeout_s}")
 
 
 class DecodeHandoff:
@@ -214,13 +211,11 @@ class DecodeHandoff:
         self, rid: str, prompt: list[int], params: SamplingParams, deadline: float | None
     ) -> tuple[KVLease, AsyncIterator[RequestOutput]]:
         """Reserve KV blocks; when the pool is full, wait in the engine's reservation FIFO
-        (no polling) for up to the reserve timeout or the client's deadline."""
-        wait = self._limits.reserve_timeout_s
-        remaining = _remaining(deadline)
-        if remaining is not None:
-            wait = min(wait, remaining)
+        (no polling) until blocks free up or the client's deadline passes. A request that
+        got a place in the bounded FIFO is served: it is never sent away after a timed
+        wait, since the refusal would then come late and the wait would be lost."""
         try:
-            return await self._engine.reserve(rid, prompt, params, timeout_s=wait)
+            return await self._engine.reserve(rid, prompt, params, timeout_s=_remaining(deadline))
         except ResourceExhaustedError as exc:
             if deadline is not None and time.monotonic() >= deadline:
                 raise DeadlineExceededError(

@@ -124,7 +124,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         await self.engine.start()
         if self.inbox is not None:
             self._incarnation = self.inbox.incarnation
-            limits = HandoffLimits(self.cfg.transfer_timeout_s, self.cfg.reserve_timeout_s)
+            limits = HandoffLimits(self.cfg.transfer_timeout_s)
             self.handoff = DecodeHandoff(
                 self.engine, self.inbox, limits, self._open_link, self._fleet_key, self._tracer
             )

@@ -125,6 +125,11 @@ class AsyncEngine:
         self._snapshot_at = time.monotonic()
         # Queued reservations -> the future their caller awaits. Engine thread only.
         self._grant_waiters: dict[str, concurrent.futures.Future[list[int]]] = {}
+        # Every reservation future not settled yet, its command still queued or not: the
+        # engine thread's death (or shutdown) fails them all, so no caller waits on a
+        # command that will never run. Added on the event loop, discarded by whichever
+        # thread settles the future.
+        self._unsettled: set[concurrent.futures.Future[list[int]]] = set()
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -143,7 +148,7 @@ class AsyncEngine:
         self._wake.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
-        self._fail_grant_waiters(UnavailableError("engine is shutting down"))
+        self._fail_grant_waiters(self._unavailable())
         for stream in self._streams.values():
             stream.queue.put_nowait(UnavailableError("engine is shutting down"))
         self._streams.clear()
@@ -183,7 +188,8 @@ class AsyncEngine:
         When the pool cannot take it now, the request waits in the engine's reservation
         FIFO (served as blocks free up, after preempted requests; no polling) for up to
         ``timeout_s`` seconds (None: no bound; 0: not at all). Raises
-        ResourceExhaustedError (nothing reserved) when the wait ends or the FIFO is full.
+        ResourceExhaustedError (nothing reserved) when the wait ends or the FIFO is full,
+        and UnavailableError when the engine thread dies or stops first (queued or not).
         The stream yields outputs after ``kv_ready``; closing it early aborts and frees
         the lease.
         """
@@ -205,7 +211,13 @@ class AsyncEngine:
             else:
                 _settle(fut, blocks)
 
+        self._unsettled.add(fut)
+        fut.add_done_callback(self._unsettled.discard)
         self._submit("reserve", run)
+        if self._dead is not None or self._stopping:
+            # The thread died (or began stopping) after _check_alive: the command may never
+            # run, and the death path may have failed the futures before this one was added.
+            _settle(fut, exc=self._unavailable())
         began = time.monotonic()
         try:
             try:
@@ -391,10 +403,16 @@ class AsyncEngine:
                 _settle(fut, req.block_ids)
 
     def _fail_grant_waiters(self, exc: BaseException) -> None:
-        """Once the engine thread is gone: no queued reservation will ever be granted."""
+        """Once the engine thread is gone: no queued reservation will ever be granted, and
+        no reserve command still in the queue will ever run."""
         waiters, self._grant_waiters = self._grant_waiters, {}
-        for fut in waiters.values():
+        for fut in [*waiters.values(), *list(self._unsettled)]:
             _settle(fut, exc=exc)
+
+    def _unavailable(self) -> UnavailableError:
+        if self._dead is not None:
+            return UnavailableError(f"engine thread died: {self._dead!r}")
+        return UnavailableError("engine is shutting down")
 
     def _publish_stats(self) -> None:
         self._snapshot = self.core.stats()

@@ -162,6 +162,8 @@ class EngineCore:
             num_generated_tokens_total=s.num_generated_tokens_total,
             num_steps=self.runner.num_steps,
             busy_seconds=self.runner.busy_seconds,
+            max_num_seqs=s.max_num_seqs,
+            max_queued_requests=s.max_queued,
         )
 
     def generate(

@@ -33,6 +33,9 @@ class EngineStats:
     # worker) and tokens sampled here, since start.
     num_prompt_tokens_total: int = 0
     num_generated_tokens_total: int = 0
+    # The scheduler's bounds: requests admitted at once, and queued beyond those.
+    max_num_seqs: int = 0
+    max_queued_requests: int = 0
 
 
 # Upper bounds (seconds) of the KV transfer duration histogram: a few blocks over shm

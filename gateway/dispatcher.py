@@ -82,6 +82,11 @@ class Dispatcher:
         self._max_attempts = 1 + max_retries
         self._tracer = tracer or trace.NoOpTracer()
 
+    def check_room(self, admitted: int) -> None:
+        """Raise ResourceExhaustedError when the decode workers that are up have no room
+        for one more of this gateway's ``admitted`` requests (``Router.check_room``)."""
+        self._router.check_room(admitted)
+
     async def stream(
         self, job: DecodeJob, *, timeout: float | None
     ) -> AsyncGenerator[RequestOutput, None]:

@@ -96,7 +96,8 @@ class Generation:
         return len(self._in_flight)
 
     def check_capacity(self) -> None:
-        """Raise ResourceExhaustedError when ``max_streams`` requests are in flight. A
+        """Raise ResourceExhaustedError when ``max_streams`` requests are in flight, or
+        when every decode worker that is up is full (``Router.check_room``). A
         front end calls it first thing, so a refusal costs next to nothing; ``stream``
         calls it again when the request takes its slot."""
         if len(self._in_flight) >= self.max_streams:
@@ -104,6 +105,7 @@ class Generation:
                 f"the gateway is at its limit of {self.max_streams} concurrent streams "
                 "(--max-concurrent-streams); retry later or on another gateway"
             )
+        self._dispatcher.check_room(len(self._in_flight))
 
     @property
     def card(self) -> ModelCard:

@@ -14,7 +14,14 @@ it out of rotation, silence does. A worker whose health says NOT_SERVING (it is 
 on SIGTERM, or still starting) is out at once. Picks use the latest stats plus the picks
 made since, so a burst between two polls spreads out:
 
-- decode: the most free KV blocks per unit of load (running + waiting + waiting for KV);
+- decode: the most free KV blocks per unit of load (running + waiting + waiting for KV),
+  among the workers that are not full: a worker reports its bounds (``max_num_seqs``
+  seats, ``max_queued_requests`` queue places), and when the requests it holds (its last
+  report, plus this gateway's picks since, less this gateway's streams that ended since,
+  never fewer than this gateway's own streams there) fill both, a request is not sent
+  there. When every decode worker that is up is full the request is refused at once with
+  RESOURCE_EXHAUSTED, before any round trip (and, through ``check_room``, before it is
+  tokenized);
 - prefill: the fewest queued prompt tokens.
 
 A request that finds no worker of a kind it needs up waits up to ``wait_for_worker_s``
@@ -35,7 +42,7 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.errors import UnavailableError
+from engine.errors import ResourceExhaustedError, UnavailableError
 from gateway.discovery import Fleet, Resolver, system_resolver
 from gateway.workers import ACCEPTED_ROLES, NOT_POLLED, Route, WorkerKind, WorkerState, host_of
 from protos.baton.v1 import worker_pb2, worker_pb2_grpc
@@ -187,6 +194,20 @@ class Router:
         decode.picks_since_poll += 1
         return Route(decode=decode.address, prefill=prefill)
 
+    def check_room(self, admitted: int) -> None:
+        """Raise ResourceExhaustedError when every decode worker that is up is full (see
+        :attr:`WorkerState.full`), or when ``admitted`` (this gateway's requests in flight,
+        those still being tokenized included) already fill every seat and queue place the
+        up decode workers reported. Cheap: a front end calls it before any other work, so
+        a burst's excess is refused on arrival rather than behind the tokenizer queue."""
+        up = [(i, w) for i, w in enumerate(self._workers[WorkerKind.DECODE].values()) if w.up]
+        if not up:
+            return  # route() waits for a worker, then says none is up
+        if all(w.full for _, w in up):
+            self._all_full(up)
+        if all(w.capacity for _, w in up) and admitted >= sum(w.capacity for _, w in up):
+            self._all_full(up, admitted)
+
     async def route(
         self,
         num_prompt_tokens: int,
@@ -236,6 +257,7 @@ class Router:
         finally:
             for worker in held:
                 worker.in_flight -= 1
+                worker.ended_since_poll += 1
                 if worker.left and worker.in_flight == 0:
                     self._forget(worker)
 
@@ -265,10 +287,27 @@ class Router:
                 f"{'prefill' if kind is WorkerKind.DECODE else 'decode'} worker "
                 "(same-host pairing of co-located workers); retry later"
             )
+        if kind is WorkerKind.DECODE:
+            up = [(i, w) for i, w in up if not w.full] or self._all_full(up)
         fresh = [(i, w) for i, w in up if w.address not in avoid] or up
         if kind is WorkerKind.DECODE:
             return max(fresh, key=lambda iw: (iw[1].decode_score(), -iw[0]))[1]
         return min(fresh, key=lambda iw: (iw[1].prefill_score(), iw[0]))[1]
+
+    @staticmethod
+    def _all_full(
+        up: list[tuple[int, WorkerState]], held: int | None = None
+    ) -> list[tuple[int, WorkerState]]:
+        """Every decode worker that is up has each seat and queue place taken: refuse at
+        once, rather than send the request to be refused after a round trip."""
+        if held is None:
+            held = sum(w.occupancy for _, w in up)
+        capacity = sum(w.capacity for _, w in up)
+        raise ResourceExhaustedError(
+            f"every decode worker is at capacity ({held} requests held against "
+            f"{capacity} = max_num_seqs + max_queued_requests over {len(up)} worker(s)); "
+            "retry later"
+        )
 
     def _none_up(self, kind: WorkerKind, workers: list[WorkerState]) -> str:
         targets = ", ".join(t.text for t in self._fleets[kind].targets)

@@ -66,6 +66,9 @@ class WorkerState:
     last_error: str = NOT_POLLED
     last_seen: float = 0.0  # time.monotonic() of the last serving answer
     in_flight: int = 0  # streams routed here that have not ended
+    ended_since_poll: int = 0  # of those, the ones that ended since the last answer
+    # max_num_seqs + max_queued_requests as the worker reports them; 0: not reported.
+    capacity: int = 0
     left: bool = False  # no longer in its fleet's answer: forgotten once in_flight is 0
 
     @property
@@ -76,6 +79,21 @@ class WorkerState:
             and not self.left
             and time.monotonic() - self.last_seen <= self.down_after_s
         )
+
+    @property
+    def occupancy(self) -> int:
+        """Requests the worker holds now, as best this gateway knows: its last report,
+        plus this gateway's picks since and less this gateway's streams that ended since,
+        and never fewer than this gateway's own streams there."""
+        estimate = self.load + self.picks_since_poll - self.ended_since_poll
+        return max(self.in_flight, estimate)
+
+    @property
+    def full(self) -> bool:
+        """Every seat and queue place the worker reported is taken: a request sent there
+        now would only be refused (decode answers RESOURCE_EXHAUSTED once its FIFO is
+        full), so the gateway refuses it itself, without the round trip."""
+        return self.capacity > 0 and self.occupancy >= self.capacity
 
     def decode_score(self) -> float:
         """Higher is better: free blocks per unit of (reported + recently added) load."""
@@ -94,6 +112,11 @@ class WorkerState:
         self.queued_prompt_tokens = stats.queued_prompt_tokens
         self.picks_since_poll = 0
         self.prompt_tokens_since_poll = 0
+        self.ended_since_poll = 0
+        if stats.max_num_seqs and stats.max_queued_requests:
+            self.capacity = stats.max_num_seqs + stats.max_queued_requests
+        else:
+            self.capacity = 0
         self.serving = True
         self.last_error = ""
         self.last_seen = time.monotonic()

@@ -341,4 +341,6 @@ def worker_stats_to_proto(
         prefix_cache_hit_tokens=stats.prefix_hit_tokens,
         held_kv_blocks=stats.num_held_blocks,
         kv_layout=kv_layout_to_proto(layout),
+        max_num_seqs=stats.max_num_seqs,
+        max_queued_requests=stats.max_queued_requests,
     )

@@ -54,8 +54,6 @@ class WorkerConfig:
     transport_address: str = "127.0.0.1:0"
     # Longest a KV hand-off may take from reservation to verified arrival.
     transfer_timeout_s: float = 30.0
-    # Decode: how long a request may queue for free KV blocks before RESOURCE_EXHAUSTED.
-    reserve_timeout_s: float = 10.0
     metrics_port: int = 0  # Prometheus metrics over HTTP on this port; 0: off
     log_level: str = "INFO"
     # --- security (rpc.tls, decode_service.prefill_fleet, engine.transfer.fleet_auth) ---
@@ -110,7 +108,7 @@ class WorkerConfig:
                     f"transport_address {self.transport_address!r} is not an address prefill "
                     "workers can dial: give --advertise-host (or a host in --transport-address)"
                 )
-        for name in ("grace_s", "transfer_timeout_s", "reserve_timeout_s"):
+        for name in ("grace_s", "transfer_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.log_level not in LOG_LEVELS:
@@ -248,7 +246,6 @@ _FIELDS: dict[str, tuple[Callable[[str], Any], str]] = {
     "transport": (str, "worker"),
     "transport_address": (str, "worker"),
     "transfer_timeout_s": (float, "worker"),
-    "reserve_timeout_s": (float, "worker"),
     "advertise_host": (str, "worker"),
     "metrics_port": (int, "worker"),
     "log_level": (str.upper, "worker"),
@@ -293,10 +290,10 @@ _HELP = {
     "shm: segment name",
     "metrics_port": "serve Prometheus metrics on this port; 0: off",
     "transfer_timeout_s": "longest a KV hand-off may take",
-    "reserve_timeout_s": "decode: how long a request may wait for free KV blocks",
     "log_level": f"one of {', '.join(LOG_LEVELS)}",
     "max_queued_requests": "bound of the engine queue (prefill) and the KV reservation queue "
-    "(decode); past it RESOURCE_EXHAUSTED",
+    "(decode); past it RESOURCE_EXHAUSTED at once; a request inside it waits until it is "
+    "served, its deadline passes or it is cancelled",
     "kv_growth_tokens": "decode: a reservation must leave free the blocks each admitted "
     "request needs for this many more tokens",
     "linear_panels": "CPU: decode-sized batches run on fp32 panels of the weights, a further "

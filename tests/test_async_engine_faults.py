@@ -102,6 +102,40 @@ async def test_engine_death_ends_every_stream_and_reports_it(tiny_llama: Path) -
         await engine.shutdown()
 
 
+async def test_a_reserve_still_queued_when_the_engine_dies_fails_unavailable(
+    tiny_llama: Path,
+) -> None:
+    """A reserve whose command is still queued behind a step when the engine thread dies
+    never runs; its caller, waiting without a bound, gets UNAVAILABLE, not a hang."""
+    engine = AsyncEngine(make_core(tiny_llama, num_blocks=64))
+    await engine.start()
+    entered, release = threading.Event(), threading.Event()
+
+    def stuck_then_dead(sched):  # noqa: ANN001, ANN202
+        entered.set()
+        release.wait(30)
+        raise MemoryError("forward failed (injected)")
+
+    engine.core.runner._run = stuck_then_dead  # type: ignore[method-assign]
+    running = asyncio.create_task(_drain(engine, "running", list(range(300, 340))))
+    try:
+        assert await asyncio.to_thread(entered.wait, 10)
+        # The engine thread is inside the step: this reserve's command waits in the queue.
+        queued = asyncio.create_task(
+            engine.reserve("queued", list(range(50, 90)), GREEDY, timeout_s=None)
+        )
+        await asyncio.sleep(0.2)
+        assert not queued.done()
+        release.set()
+        with pytest.raises(UnavailableError, match="engine thread died"):
+            await asyncio.wait_for(queued, 5)
+        with pytest.raises(UnavailableError):
+            await asyncio.wait_for(running, 5)
+    finally:
+        release.set()
+        await engine.shutdown()
+
+
 async def test_stats_answer_at_once_while_a_step_computes(tiny_llama: Path) -> None:
     engine = AsyncEngine(make_core(tiny_llama, num_blocks=64))
     await engine.start()

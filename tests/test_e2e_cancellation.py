@@ -45,7 +45,7 @@ def cluster(tiny_llama: Path) -> Iterator[E2ECluster]:
         tiny_llama,
         worker_args=("--block-size", str(BLOCK_SIZE)),
         prefill_args=("--max-num-batched-tokens", "1", "--num-blocks", "256"),
-        decode_args=("--num-blocks", str(DECODE_BLOCKS), "--reserve-timeout-s", "30"),
+        decode_args=("--num-blocks", str(DECODE_BLOCKS)),
     ) as c:
         yield c
 

@@ -74,7 +74,7 @@ def cluster(tiny_llama: Path) -> Iterator[E2ECluster]:
             "--grace-s",
             "2",
         ),
-        decode_args=("--max-num-seqs", "32", "--reserve-timeout-s", "10"),
+        decode_args=("--max-num-seqs", "32"),
         gateway_args=("--max-retries", "3", "--stats-timeout-s", "0.5"),
     ) as c:
         yield c

@@ -67,7 +67,7 @@ def cluster(tiny_llama: Path) -> Iterator[E2ECluster]:
     with tiny_cluster(
         tiny_llama,
         worker_args=("--max-queued-requests", "512", "--num-blocks", "1024"),
-        decode_args=("--max-num-seqs", "64", "--reserve-timeout-s", "120"),
+        decode_args=("--max-num-seqs", "64"),
         gateway_args=("--max-concurrent-streams", str(STREAMS)),
     ) as c:
         yield c

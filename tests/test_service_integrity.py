@@ -156,7 +156,6 @@ def _decode_config(model: Path, **overrides: object) -> WorkerConfig:
         # Its own segment name: see test_default_shm_segment_names_do_not_collide.
         "transport_address": f"baton-it-{uuid.uuid4().hex[:16]}",
         "transfer_timeout_s": TRANSFER_TIMEOUT_S,
-        "reserve_timeout_s": 2.0,
         "grace_s": 0.0,
     }
     values.update(overrides)

@@ -142,7 +142,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("role", "incarnation_id", "total_kv_blocks", "free_kv_blocks", "num_running", "num_waiting", "num_waiting_for_kv", "queued_prompt_tokens", "busy_fraction", "prefix_cache_hit_tokens", "held_kv_blocks", "kv_layout")
+    __slots__ = ("role", "incarnation_id", "total_kv_blocks", "free_kv_blocks", "num_running", "num_waiting", "num_waiting_for_kv", "queued_prompt_tokens", "busy_fraction", "prefix_cache_hit_tokens", "held_kv_blocks", "kv_layout", "max_num_seqs", "max_queued_requests")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
     TOTAL_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +155,8 @@ class WorkerStats(_message.Message):
     PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HELD_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     role: WorkerRole
     incarnation_id: str
     total_kv_blocks: int
@@ -167,4 +169,6 @@ class WorkerStats(_message.Message):
     prefix_cache_hit_tokens: int
     held_kv_blocks: int
     kv_layout: _kv_pb2.KVLayout
-    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., incarnation_id: _Optional[str] = ..., total_kv_blocks: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_waiting_for_kv: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., busy_fraction: _Optional[float] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., held_kv_blocks: _Optional[int] = ..., kv_layout: _Optional[_Union[_kv_pb2.KVLayout, _Mapping]] = ...) -> None: ...
+    max_num_seqs: int
+    max_queued_requests: int
+    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., incarnation_id: _Optional[str] = ..., total_kv_blocks: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_waiting_for_kv: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., busy_fraction: _Optional[float] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., held_kv_blocks: _Optional[int] = ..., kv_layout: _Optional[_Union[_kv_pb2.KVLayout, _Mapping]] = ..., max_num_seqs: _Optional[int] = ..., max_queued_requests: _Optional[int] = ...) -> None: ...

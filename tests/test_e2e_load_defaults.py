@@ -1,0 +1,110 @@
+"""Load as a user offers it: ``baton serve`` at its defaults, on the bundled model (bf16).
+
+The launcher starts a gateway, one prefill and one decode worker with no flag changed, as
+``baton serve`` does. Then:
+
+- 256 concurrent ``Generate`` streams of 16 tokens, some cancelled by their clients
+  mid-stream: every other one completes. Decode seats 64 requests at once; the rest wait
+  in its reservation FIFO (256 places) and are served as blocks free up, never sent away
+  after a timed wait.
+- 1,024 at once: each ends OK or RESOURCE_EXHAUSTED, nothing else, and every refusal
+  comes at once (within 1 s of its call), since the gateway counts what it has in flight
+  against the seats and queue places the decode workers report and refuses the excess on
+  arrival, before tokenizing.
+- Afterwards the deployment serves a request, and every worker's free KV blocks are back
+  at their initial value.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from gateway.launcher import ClusterSpec
+from protos.baton.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+from tests.e2e_helpers import E2ECluster, wait_settled
+
+MAX_TOKENS = 16
+REFUSAL_BOUND_S = 1.0
+# A client that waits this long for a stream is one the server left hanging.
+CALL_TIMEOUT_S = 600.0
+
+
+@pytest.fixture(scope="module")
+def cluster(smollm2: object) -> Iterator[E2ECluster]:
+    # Nothing but what `baton serve` passes: the bundled model, bf16, shm, one each.
+    spec = ClusterSpec(model="smollm2-135m", start_timeout_s=300.0, log_level="INFO")
+    with E2ECluster(spec) as c:
+        yield c
+
+
+def _request(i: int) -> generate_pb2.GenerateRequest:
+    return generate_pb2.GenerateRequest(
+        text=f"Question {i}: name one fact about the number {i}.",
+        sampling_params=common_pb2.SamplingParameters(max_tokens=MAX_TOKENS, temperature=0),
+    )
+
+
+async def _call(
+    stub: generate_pb2_grpc.BatonStub, i: int, cancel_after: int | None = None
+) -> tuple[str, float, int]:
+    """(status name, seconds from the call to its end, tokens received)."""
+    began = time.monotonic()
+    tokens = 0
+    call = stub.Generate(_request(i), timeout=CALL_TIMEOUT_S)
+    try:
+        async for msg in call:
+            tokens += len(msg.token_ids)
+            if cancel_after is not None and tokens >= cancel_after:
+                call.cancel()
+                return "CANCELLED_BY_CLIENT", time.monotonic() - began, tokens
+    except grpc.aio.AioRpcError as err:
+        return err.code().name, time.monotonic() - began, tokens
+    return "OK", time.monotonic() - began, tokens
+
+
+async def _burst(address: str, n: int, cancel_every: int = 0) -> list[tuple[str, float, int]]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = generate_pb2_grpc.BatonStub(channel)
+        return await asyncio.gather(
+            *(
+                _call(stub, i, 2 if cancel_every and i % cancel_every == 0 else None)
+                for i in range(n)
+            )
+        )
+
+
+def test_256_concurrent_streams_at_the_defaults_all_complete(cluster: E2ECluster) -> None:
+    results = asyncio.run(_burst(cluster.gateway_address, 256, cancel_every=16))
+    codes = Counter(code for code, _, _ in results)
+    cancelled = sum(1 for i in range(256) if i % 16 == 0)
+    assert codes == {"OK": 256 - cancelled, "CANCELLED_BY_CLIENT": cancelled}, (
+        f"{codes}\n{cluster.logs()[-4000:]}"
+    )
+    assert all(tokens == MAX_TOKENS for code, _, tokens in results if code == "OK")
+    asyncio.run(wait_settled(cluster.live_workers(), logs=cluster.logs))
+
+
+def test_1024_at_once_get_ok_or_an_immediate_refusal(cluster: E2ECluster) -> None:
+    results = asyncio.run(_burst(cluster.gateway_address, 1024))
+    codes = Counter(code for code, _, _ in results)
+    assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"}, f"{codes}\n{cluster.logs()[-4000:]}"
+    # Decode seats 64 and queues 256: at least that many are served.
+    assert codes["OK"] >= 320, codes
+    refusals = sorted(seconds for code, seconds, _ in results if code == "RESOURCE_EXHAUSTED")
+    assert refusals, codes
+    assert refusals[-1] < REFUSAL_BOUND_S, (
+        f"{len(refusals)} refusals, median {refusals[len(refusals) // 2]:.2f} s, "
+        f"slowest {refusals[-1]:.2f} s; {sum(s >= REFUSAL_BOUND_S for s in refusals)} "
+        f"took {REFUSAL_BOUND_S} s or more"
+    )
+    assert all(tokens == MAX_TOKENS for code, _, tokens in results if code == "OK")
+    asyncio.run(wait_settled(cluster.live_workers(), logs=cluster.logs))
+    # And it still serves.
+    after = asyncio.run(_burst(cluster.gateway_address, 1))
+    assert after[0][0] == "OK" and after[0][2] == MAX_TOKENS, after
