@@ -10,12 +10,12 @@ final, and surfaces with the same status code. RESOURCE_EXHAUSTED before the fir
 is retried on another worker *of the role that ran out*, one that has not refused this
 request: the decode worker relays a prefill worker's full queue as RESOURCE_EXHAUSTED
 naming the prefill role (``rpc.errors.RoleExhaustedError``, carried in the trailing
-metadata), and the retry goes to another prefill worker, on the same decode worker;
-without that role the decode worker itself had no KV room within its reserve timeout
-(or its own queue was full), and the retry goes to another decode worker. When every
-worker of that role that is up has refused, the error surfaces. Other codes
-(INVALID_ARGUMENT, DEADLINE_EXCEEDED, ...) pass through at once, with the worker's
-message.
+metadata), and the retry goes to another prefill worker, the decode worker staying
+eligible (with one decode worker, the same one); without that role the decode worker
+itself had no KV room within its reserve timeout (or its own queue was full), and the
+retry goes to another decode worker. When every worker of that role that is up has
+refused, the error surfaces. Other codes (INVALID_ARGUMENT, DEADLINE_EXCEEDED, ...) pass
+through at once, with the worker's message.
 
 Closing the stream (the caller saw a stop string, or went away) cancels the ``Decode``
 call, which makes decode abort the request and free its blocks, and prefill's.
