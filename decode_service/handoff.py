@@ -1,10 +1,18 @@
 """The decode side of the KV hand-off (``engine.transfer.handoff`` has the message flow).
 
 For one request: reserve blocks on the engine (the backpressure point: a request the pool
+<<<<<<< HEAD
 cannot take waits in the engine's bounded reservation FIFO until blocks free up, its
 deadline passes or it is cancelled; a full FIFO fails it at once with RESOURCE_EXHAUSTED,
 which the gateway retries elsewhere), lease them on
 the KV inbox, order a prefill worker to fill them, follow its progress beats (each moves
+=======
+cannot take waits in the engine's bounded reservation FIFO, up to the reserve timeout, and
+then fails with RESOURCE_EXHAUSTED, which the gateway retries on another decode worker),
+lease them on the KV inbox, order a prefill worker to fill them (one whose queue is full
+refuses with RESOURCE_EXHAUSTED naming the prefill role, relayed as is, which the gateway
+retries on another prefill worker), follow its progress beats (each moves
+>>>>>>> h-churn
 the lease's deadline), verify the transfer, wait for the lease to end, acknowledge, and
 only then let the request run and release its first token. Until that moment a failure
 is invisible to the client, so the gateway may retry it elsewhere.
@@ -17,6 +25,10 @@ Cleanup: a request that fails before its hand-off completes cancels its lease an
 its blocks back to the engine only once the lease has ended, that is once no peer can
 write them any more, however long a stalled writer takes. The transport is reached
 through ``PrefillLink``, so this module is tested without gRPC.
+
+Peers: every hand-off stream is counted on ``PrefillPeers`` and its prefill worker's
+sender incarnation reported there, which drops what a restarted, moved, departed or idle
+prefill worker left behind (its channel, its connections on the KV receiver).
 
 Traces and timings: under the caller's trace context, the spans ``decode.reserve``
 (blocks reserved), ``decode.wait_kv`` (the order to the prefill worker until its KV is
@@ -40,6 +52,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 
 from decode_service.kv_inbox import KVInbox
+from decode_service.prefill_peers import PrefillPeers
 from engine.async_engine import AsyncEngine, KVLease
 from engine.errors import (
     AbortedError,
@@ -71,7 +84,9 @@ E = TypeVar("E", FirstToken, TransferDone)
 class PrefillLink(Protocol):
     """Decode's end of one Prefill stream to one prefill worker.
 
-    ``send`` and ``receive`` raise typed errors (UnavailableError for a lost peer, ...).
+    ``send`` and ``receive`` raise typed errors (UnavailableError for a lost peer, ...;
+    a refusal for lack of room as ``rpc.errors.RoleExhaustedError`` naming the prefill
+    role, so it reaches the gateway as the prefill worker's, not this worker's).
     """
 
     async def send(self, message: PrefillOrder | Ack) -> None: ...
@@ -114,6 +129,7 @@ class DecodeHandoff:
         open_link: OpenLink,
         fleet_key: FleetKey | None = None,
         tracer: trace.Tracer | None = None,
+        peers: PrefillPeers | None = None,
     ) -> None:
         self._engine = engine
         self._tracer = tracer or trace.NoOpTracer()
@@ -122,8 +138,8 @@ class DecodeHandoff:
         self._open_link = open_link
         # With a key, orders are signed and a TransferDone must carry the fleet's tag.
         self._fleet_key = fleet_key
-        # prefill address -> incarnation of the KV sender seen there last.
-        self._senders: dict[str, str] = {}
+        # The prefill workers dialled, by address and by sender incarnation.
+        self._peers = peers if peers is not None else PrefillPeers(inbox.forget_sender)
         self._cleanups: set[asyncio.Task[None]] = set()
 
     async def run(
@@ -148,6 +164,7 @@ class DecodeHandoff:
         lease_ended: asyncio.Future[RecvCompletion] | None = None
         link: PrefillLink | None = None
         handed_over = False
+        self._peers.begin(prefill)
         try:
             with span(
                 self._tracer, "decode.wait_kv", trace_context, request_id=request_id
@@ -164,7 +181,7 @@ class DecodeHandoff:
                     order = dataclasses.replace(order, mac=order_tag(self._fleet_key, order))
                 await link.send(order)
                 first = await self._expect(link, FirstToken, request_id, prefill, deadline)
-                self._note_sender(prefill, first.sender_incarnation)
+                self._peers.note_sender(prefill, first.sender_incarnation)
                 done = await self._expect(link, TransferDone, request_id, prefill, deadline)
                 self._check_fleet(request_id, prefill, desc.lease_token, done)
                 self._inbox.verify(request_id, done.checksum, done.epoch)
@@ -192,6 +209,7 @@ class DecodeHandoff:
         finally:
             if link is not None:
                 link.cancel()
+            self._peers.end(prefill)
             if handed_over or lease_ended is None:
                 self._engine.discard(request_id)
             else:
@@ -275,22 +293,6 @@ class DecodeHandoff:
                 f"request {rid}: prefill {prefill} reported a transfer without the fleet's "
                 "secret; its KV is not used"
             )
-
-    def _note_sender(self, prefill: str, incarnation: str) -> None:
-        """A prefill worker at the same address with a new sender restarted: drop what
-        the inbox still holds for the old one."""
-        if not incarnation:
-            return
-        old = self._senders.get(prefill)
-        if old is not None and old != incarnation:
-            logger.info(
-                "prefill %s restarted (sender %s -> %s); dropping the old one's connections",
-                prefill,
-                old,
-                incarnation,
-            )
-            self._inbox.forget_sender(old)
-        self._senders[prefill] = incarnation
 
     async def _discard_after(self, rid: str, lease_ended: asyncio.Future[RecvCompletion]) -> None:
         """Give the blocks back once the lease has ended, i.e. no peer can write them.

@@ -14,6 +14,10 @@ holds entries of three kinds:
   ``retain_s`` after it was last in an answer: a pod that starts draining leaves the
   answer at once, while the gateway may still route its last requests to it.
 
+``departed`` tells the peers bookkeeping (``decode_service.prefill_peers``) which
+addresses left the DNS answers, so what this worker holds for them can go early; it only
+reads what the last lookups said.
+
 The host of ``prefill_address`` is compared as written: a name is never resolved to
 match an IP entry (what it resolves to when dialled could differ from what it resolved
 to when checked). An empty list allows any address (no fleet configured). Anything else
@@ -77,6 +81,8 @@ class PrefillFleet:
         self._retain_s = retain_s
         # (host, port) -> when a DNS answer last held it (time.monotonic()).
         self._resolved: dict[tuple[str, int], float] = {}
+        # Each DNS entry's last successful answer (a failed lookup keeps the one before).
+        self._answers: dict[_DnsEntry, set[tuple[str, int]]] = {}
         self._resolved_at: float | None = None
         self._lock = asyncio.Lock()
 
@@ -103,6 +109,20 @@ class PrefillFleet:
             "fleet (--prefill-allow)"
         )
 
+    def departed(self, address: str) -> bool:
+        """True when ``address`` is allowed only through DNS entries and no entry's last
+        answer holds it any more (its pod drains, or was replaced). Addresses matched by a
+        fixed entry, and any address of an open fleet, never depart. Looks nothing up."""
+        if not self._dns:
+            return False
+        try:
+            host, port = _split(address, "prefill_address")
+        except ValueError:
+            return False
+        if host in self._hosts or (host, port) in self._addresses:
+            return False
+        return not any((host, port) in answer for answer in self._answers.values())
+
     def _known(self, host: str, port: int) -> bool:
         seen = self._resolved.get((host, port))
         return seen is not None and time.monotonic() - seen <= self._retain_s
@@ -125,8 +145,10 @@ class PrefillFleet:
                     logger.warning("prefill fleet: cannot resolve %s: %s", entry.name, err)
                     continue
                 now = time.monotonic()
-                for address in addresses:
-                    self._resolved[(address.strip("[]"), entry.port)] = now
+                answer = {(address.strip("[]"), entry.port) for address in addresses}
+                for key in answer:
+                    self._resolved[key] = now
+                self._answers[entry] = answer
                 found += len(addresses)
             self._resolved_at = now = time.monotonic()
             for key, seen in list(self._resolved.items()):

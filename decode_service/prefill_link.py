@@ -1,8 +1,12 @@
 """A ``PrefillLink`` over gRPC: decode's end of one ``PrefillWorker.Prefill`` stream.
 
 Wiring only: records go through ``rpc.convert_handoff``; a failed call surfaces as its
-typed error; a message that breaks the protocol as ABORTED. The call's metadata carries
-the trace context (``traceparent``) to the prefill worker.
+typed error; a message that breaks the protocol as ABORTED. RESOURCE_EXHAUSTED (the
+prefill worker's queue is full) surfaces as a ``RoleExhaustedError`` naming the prefill
+role, which this decode worker's interceptor relays to the gateway in the trailing
+metadata, so the gateway retries on another prefill worker rather than taking this decode
+worker for full. The call's metadata carries the trace context (``traceparent``) to the
+prefill worker.
 """
 
 from __future__ import annotations
@@ -13,10 +17,13 @@ from opentelemetry.context import Context
 
 from engine.errors import AbortedError
 from engine.transfer.handoff import Ack, PrefillEvent, PrefillOrder
-from protos.baton.v1 import worker_pb2_grpc
+from protos.baton.v1 import worker_pb2, worker_pb2_grpc
 from rpc.convert_handoff import ack_to_proto, prefill_event_from_proto, prefill_order_to_proto
 from rpc.errors import typed_rpc_errors
 from rpc.tracing import metadata_for
+
+# Whatever capacity this call finds exhausted is the prefill worker's.
+_ROLE = worker_pb2.WORKER_ROLE_PREFILL
 
 
 class GrpcPrefillLink:
@@ -40,11 +47,11 @@ class GrpcPrefillLink:
             proto = prefill_order_to_proto(message)
         else:
             proto = ack_to_proto(self._rid, message)
-        with typed_rpc_errors(f"prefill {self._address}"):
+        with typed_rpc_errors(f"prefill {self._address}", role=_ROLE):
             await self._call.write(proto)
 
     async def receive(self) -> PrefillEvent | None:
-        with typed_rpc_errors(f"prefill {self._address}"):
+        with typed_rpc_errors(f"prefill {self._address}", role=_ROLE):
             msg = await self._call.read()
         if msg is grpc.aio.EOF:
             return None
@@ -56,7 +63,7 @@ class GrpcPrefillLink:
             ) from exc
 
     async def done_writing(self) -> None:
-        with typed_rpc_errors(f"prefill {self._address}"):
+        with typed_rpc_errors(f"prefill {self._address}", role=_ROLE):
             await self._call.done_writing()
 
     def cancel(self) -> None:

@@ -31,6 +31,7 @@ from decode_service.handoff import DecodeHandoff, HandoffLimits, PrefillLink
 from decode_service.kv_inbox import KVInbox
 from decode_service.prefill_fleet import PrefillFleet
 from decode_service.prefill_link import GrpcPrefillLink
+from decode_service.prefill_peers import PrefillPeers
 from decode_service.timings import with_timings
 from engine.async_engine import AsyncEngine
 from engine.engine_core import EngineCore
@@ -125,8 +126,20 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if self.inbox is not None:
             self._incarnation = self.inbox.incarnation
             limits = HandoffLimits(self.cfg.transfer_timeout_s)
+            # What a restarted, moved, departed or idle prefill worker leaves goes.
+            peers = PrefillPeers(
+                self.inbox.forget_sender,
+                drop_channel=self.channels.discard,
+                departed=self.prefill_fleet.departed,
+            )
             self.handoff = DecodeHandoff(
-                self.engine, self.inbox, limits, self._open_link, self._fleet_key, self._tracer
+                self.engine,
+                self.inbox,
+                limits,
+                self._open_link,
+                self._fleet_key,
+                self._tracer,
+                peers=peers,
             )
         logger.info(
             "decode worker ready (role=%s, incarnation %s)", self.cfg.role, self._incarnation

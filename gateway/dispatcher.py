@@ -7,10 +7,15 @@ on another prefill worker when there is one, and on another decode worker when a
 ``Stats`` gets no serving answer from the failed one. A request that finds no worker up
 waits briefly for one (``Router.route``). Once a token has reached the caller a failure is
 final, and surfaces with the same status code. RESOURCE_EXHAUSTED before the first token
-(the decode worker had no KV room within its reserve timeout, or a queue was full) is
-retried on another decode worker that has not refused this request; when none is left
-it surfaces. Other codes (INVALID_ARGUMENT, DEADLINE_EXCEEDED, ...) pass through at once,
-with the worker's message.
+is retried on another worker *of the role that ran out*, one that has not refused this
+request: the decode worker relays a prefill worker's full queue as RESOURCE_EXHAUSTED
+naming the prefill role (``rpc.errors.RoleExhaustedError``, carried in the trailing
+metadata), and the retry goes to another prefill worker, the decode worker staying
+eligible (with one decode worker, the same one); without that role the decode worker
+itself had no KV room within its reserve timeout (or its own queue was full), and the
+retry goes to another decode worker. When every worker of that role that is up has
+refused, the error surfaces. Other codes (INVALID_ARGUMENT, DEADLINE_EXCEEDED, ...) pass
+through at once, with the worker's message.
 
 Closing the stream (the caller saw a stop string, or went away) cancels the ``Decode``
 call, which makes decode abort the request and free its blocks, and prefill's.
@@ -45,7 +50,7 @@ from gateway.workers import Route, WorkerKind
 from protos.baton.v1 import worker_pb2, worker_pb2_grpc
 from rpc.channels import ChannelCache
 from rpc.convert import output_from_decode_response, sampling_params_to_proto
-from rpc.errors import error_from_rpc
+from rpc.errors import RoleExhaustedError, error_from_rpc
 from rpc.tracing import metadata_for, span
 
 logger = logging.getLogger(__name__)
@@ -103,7 +108,9 @@ class Dispatcher:
             sampling_params=sampling_params_to_proto(job.params),
         )
         failed_prefill: list[str] = []
-        full_decode: list[str] = []  # answered RESOURCE_EXHAUSTED to this request
+        # Workers that answered RESOURCE_EXHAUSTED to this request, by the role that ran out.
+        full_decode: list[str] = []
+        full_prefill: list[str] = []
         exhausted: ResourceExhaustedError | None = None
         metadata = metadata_for(job.trace_context)
         failed_decode: list[str] = []
@@ -113,13 +120,13 @@ class Dispatcher:
             ) as route_span:
                 route = await self._router.route(
                     len(job.prompt_token_ids),
-                    avoid_prefill=failed_prefill,
+                    avoid_prefill=[*failed_prefill, *full_prefill],
                     avoid_decode=[*failed_decode, *full_decode],
                     timeout=None if deadline is None else deadline - loop.time(),
                 )
-                if route.decode in full_decode:
-                    # Every decode worker that is up said it has no room; asking one
-                    # again would only wait out its reserve timeout a second time.
+                if route.decode in full_decode or (route.prefill and route.prefill in full_prefill):
+                    # Every worker of that role that is up said it has no room; asking one
+                    # again would only be refused again (or wait out a reserve timeout).
                     assert exhausted is not None
                     raise exhausted
                 route_span.set_attribute("baton.attempt", attempt)
@@ -160,24 +167,27 @@ class Dispatcher:
                 if not await self._probe(route):
                     failed_decode.append(route.decode)
             except ResourceExhaustedError as exc:
-                # No room on that decode worker (or its prefill worker's queue is full):
-                # the worker is fine, so no probe; try another one.
+                # No room on one of the workers: it is fine, so no probe; try another
+                # worker of the role that ran out, keeping the other one.
                 if started or attempt == self._max_attempts:
                     raise
+                if _prefill_ran_out(exc) and route.prefill:
+                    role, address, full = "prefill", route.prefill, full_prefill
+                else:
+                    role, address, full = "decode", route.decode, full_decode
+                full.append(address)
+                exhausted = exc
                 logger.warning(
-                    "request %s: attempt %d/%d: decode %s (prefill %s) has no room (%s); "
-                    "trying another decode worker",
+                    "request %s: attempt %d/%d: %s worker %s has no room (%s); trying "
+                    "another %s worker",
                     job.request_id,
                     attempt,
                     self._max_attempts,
-                    route.decode,
-                    route.prefill or "-",
+                    role,
+                    address,
                     exc,
+                    role,
                 )
-                full_decode.append(route.decode)
-                if route.prefill:
-                    failed_prefill.append(route.prefill)
-                exhausted = exc
 
     async def _attempt(
         self,
@@ -231,3 +241,9 @@ class Dispatcher:
             probes.append(self._router.probe(route.prefill, WorkerKind.PREFILL))
         answered = await asyncio.gather(*probes, return_exceptions=True)
         return answered[0] is True
+
+
+def _prefill_ran_out(exc: ResourceExhaustedError) -> bool:
+    """True when the decode worker relayed its prefill worker's refusal; any other
+    RESOURCE_EXHAUSTED from a ``Decode`` call is the decode worker's own."""
+    return isinstance(exc, RoleExhaustedError) and exc.role == worker_pb2.WORKER_ROLE_PREFILL

@@ -104,7 +104,6 @@ class Router:
         self._resolve_soon = asyncio.Event()
         self._changed = asyncio.Event()  # set (and replaced) whenever a worker comes up
         self._decode_up = asyncio.Event()
-        self._drops: set[asyncio.Task[None]] = set()
         self._started_at = time.monotonic()
         # When a worker of each kind last answered as serving (survives forgetting it).
         self._last_answer: dict[WorkerKind, float] = {}
@@ -138,10 +137,10 @@ class Router:
             self._resolve_task = asyncio.create_task(self._resolve_forever(), name="resolve")
 
     async def close(self) -> None:
-        tasks = [*self._polls.values(), *self._drops]
+        tasks = [*self._polls.values()]
         if self._resolve_task is not None:
             tasks.append(self._resolve_task)
-        self._polls, self._resolve_task, self._drops = {}, None, set()
+        self._polls, self._resolve_task = {}, None
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -380,9 +379,8 @@ class Router:
         if poll is not None:
             poll.cancel()
         if not any(worker.address in ws for ws in self._workers.values()):
-            task = asyncio.get_running_loop().create_task(self._channels.drop(worker.address))
-            self._drops.add(task)
-            task.add_done_callback(self._drops.discard)
+            # Out of the cache at once: a worker that reappears gets a fresh channel.
+            self._channels.discard(worker.address)
         logger.info("%s worker %s forgotten", worker.kind.value, worker.address)
 
     # -- polling ------------------------------------------------------------------------

@@ -8,6 +8,7 @@ A ``grpc.aio`` channel belongs to the event loop it was created on, so a
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
@@ -106,7 +107,8 @@ class ChannelCache:
 
     ``get`` never blocks and may be called any number of times. ``drop`` closes a
     peer's channel (a peer that restarted is a new peer: cached state must go);
-    ``close`` closes them all and may be called twice.
+    ``discard`` does the same without waiting for the close; ``close`` closes them all
+    (and waits for discarded ones) and may be called twice.
     """
 
     def __init__(
@@ -117,6 +119,7 @@ class ChannelCache:
         self._options = options
         self._credentials = credentials
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._closing: set[asyncio.Task[None]] = set()
 
     def get(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
@@ -138,7 +141,20 @@ class ChannelCache:
             logger.info("closing channel to %s", address)
             await channel.close()
 
+    def discard(self, address: str) -> None:
+        """Forget ``address``'s channel now and close it in the background. Unlike a
+        ``drop`` task that has not run yet, a ``get`` right after it already opens a new
+        channel, never the one being closed. Call from the cache's event loop."""
+        channel = self._channels.pop(address, None)
+        if channel is not None:
+            logger.info("closing channel to %s", address)
+            task = asyncio.get_running_loop().create_task(channel.close())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
     async def close(self) -> None:
         channels, self._channels = self._channels, {}
         for channel in channels.values():
             await channel.close()
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)

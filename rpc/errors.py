@@ -28,6 +28,13 @@ the handler itself passes through untouched.
 Client side, :func:`error_from_rpc` and :func:`typed_rpc_errors` map a failed call to a
 peer back to the same typed errors, so a service calling a service re-raises a precise
 error and the interceptor reports the matching code to its own caller.
+
+RESOURCE_EXHAUSTED also says *whose* capacity ran out, when that is not the worker that
+answered: a :class:`RoleExhaustedError` travels as RESOURCE_EXHAUSTED with the role (a
+``WorkerRole`` value name) in the trailing metadata key :data:`EXHAUSTED_ROLE_KEY`, and
+comes back out of :func:`error_from_rpc` as the same class. So a decode worker relays a
+prefill worker's full queue, and the gateway retries on another prefill worker instead of
+taking the decode worker for full. Without the key, the worker that answered ran out.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ import grpc
 import grpc.aio
 
 from engine import errors
+from protos.baton.v1 import worker_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +83,51 @@ _ERROR_OF: dict[grpc.StatusCode, type[Exception]] = {
 }
 
 
+# Trailing metadata of a RESOURCE_EXHAUSTED status naming the role whose capacity ran out,
+# as a WorkerRole value name (WORKER_ROLE_PREFILL): parsed against the proto enum, never
+# read out of the status message.
+EXHAUSTED_ROLE_KEY = "baton-exhausted-role"
+# The roles that can run out: a worker's own role, never UNSPECIFIED or BOTH.
+_EXHAUSTIBLE_ROLES = (worker_pb2.WORKER_ROLE_PREFILL, worker_pb2.WORKER_ROLE_DECODE)
+
+
+class RoleExhaustedError(errors.ResourceExhaustedError):
+    """No capacity on a worker of ``role`` (``WORKER_ROLE_PREFILL`` or
+    ``WORKER_ROLE_DECODE``): RESOURCE_EXHAUSTED, the role in the trailing metadata."""
+
+    def __init__(self, message: str, role: worker_pb2.WorkerRole.ValueType) -> None:
+        if role not in _EXHAUSTIBLE_ROLES:
+            raise ValueError(
+                f"role must be WORKER_ROLE_PREFILL ({worker_pb2.WORKER_ROLE_PREFILL}) or "
+                f"WORKER_ROLE_DECODE ({worker_pb2.WORKER_ROLE_DECODE}), got {role}"
+            )
+        super().__init__(message)
+        self.role = role
+
+
+def trailing_metadata_for(exc: BaseException) -> tuple[tuple[str, str], ...]:
+    """The trailing metadata the interceptor sends with the status for ``exc``."""
+    if isinstance(exc, RoleExhaustedError):
+        return ((EXHAUSTED_ROLE_KEY, worker_pb2.WorkerRole.Name(exc.role)),)
+    return ()
+
+
+def _exhausted_role(err: grpc.RpcError) -> worker_pb2.WorkerRole.ValueType | None:
+    """The role a failed call's trailing metadata names as out of capacity, if any."""
+    read = getattr(err, "trailing_metadata", None)
+    pairs = read() if callable(read) else None
+    for key, value in pairs or ():
+        if key != EXHAUSTED_ROLE_KEY or not isinstance(value, str):
+            continue
+        try:
+            role = worker_pb2.WorkerRole.Value(value)
+        except ValueError:  # a newer peer's role: the caller's default applies
+            logger.debug("ignoring %s=%r: not a known WorkerRole", EXHAUSTED_ROLE_KEY, value)
+            return None
+        return role if role in _EXHAUSTIBLE_ROLES else None
+    return None
+
+
 class PeerRpcError(Exception):
     """A peer failed with a code that has no typed error here (INTERNAL, UNKNOWN, ...).
 
@@ -105,18 +158,38 @@ def error_from_status(code: grpc.StatusCode, details: str) -> Exception:
     return kind(details) if kind is not None else PeerRpcError(code, details)
 
 
-def error_from_rpc(err: grpc.RpcError, *, peer: str = "") -> Exception:
-    """The typed error for a failed call; ``peer`` (an address or name) prefixes the message."""
+def error_from_rpc(
+    err: grpc.RpcError,
+    *,
+    peer: str = "",
+    role: worker_pb2.WorkerRole.ValueType | None = None,
+) -> Exception:
+    """The typed error for a failed call; ``peer`` (an address or name) prefixes the message.
+
+    RESOURCE_EXHAUSTED becomes a :class:`RoleExhaustedError` naming the role in its
+    trailing metadata, else ``role`` (the role of the peer called), else a plain
+    ``ResourceExhaustedError``.
+    """
     code = err.code() if callable(getattr(err, "code", None)) else grpc.StatusCode.UNKNOWN
     details = (err.details() if callable(getattr(err, "details", None)) else None) or ""
     if code is None:
         code = grpc.StatusCode.UNKNOWN
-    return error_from_status(code, f"{peer}: {details}" if peer else details)
+    message = f"{peer}: {details}" if peer else details
+    if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+        named = _exhausted_role(err)
+        if named is None:
+            named = role
+        if named is not None:
+            return RoleExhaustedError(message, named)
+    return error_from_status(code, message)
 
 
 @contextlib.contextmanager
-def typed_rpc_errors(peer: str = "") -> Iterator[None]:
-    """Re-raise a failed call made inside the block as its typed error (chained).
+def typed_rpc_errors(
+    peer: str = "", *, role: worker_pb2.WorkerRole.ValueType | None = None
+) -> Iterator[None]:
+    """Re-raise a failed call made inside the block as its typed error (chained); ``role``
+    as in :func:`error_from_rpc`.
 
     Works around ``await`` and ``async for`` on a call too::
 
@@ -127,7 +200,7 @@ def typed_rpc_errors(peer: str = "") -> Iterator[None]:
     try:
         yield
     except grpc.RpcError as err:
-        raise error_from_rpc(err, peer=peer) from err
+        raise error_from_rpc(err, peer=peer, role=role) from err
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
@@ -154,7 +227,7 @@ async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException, meth
         logger.error("%s failed unexpectedly", method, exc_info=exc)
     else:
         logger.info("%s -> %s: %s", method, code.name, message)
-    await context.abort(code, message)
+    await context.abort(code, message, trailing_metadata=trailing_metadata_for(exc))
 
 
 def _guard(behavior: Callable[..., Any], method: str) -> Callable[..., Any]:

@@ -3,8 +3,12 @@
 A :class:`FakeDecodeWorker` plays a :class:`Script` per request (token chunks, delays, an
 injected failure, or a hang until cancelled) and records what happened: the requests it
 got, the deadline and metadata each arrived with, and which ones were cancelled. A
-:class:`FakePrefillWorker` only answers Stats. Both run behind a real ``RpcServer`` on
-127.0.0.1 port 0, so raised typed errors reach the gateway as real status codes.
+:class:`FakePrefillWorker` answers Stats, and a ``Prefill`` call only by refusing it (or by
+ending it at once). With ``relay_prefill`` a fake decode worker first opens ``Prefill`` on
+the request's prefill worker through the real ``GrpcPrefillLink``, so a refusal there
+reaches the gateway the way a real decode worker relays it. Both run behind a real
+``RpcServer`` on 127.0.0.1 port 0, so raised typed errors reach the gateway as real status
+codes.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass, field
 import grpc
 import grpc.aio
 
+from decode_service.prefill_link import GrpcPrefillLink
 from protos.baton.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from rpc.server import RpcServer, ServerSpec
 
@@ -60,6 +65,8 @@ class FakeDecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
         self.metadata: dict[str, dict[str, str]] = {}  # the invocation metadata of each call
         self.cancelled: list[str] = []
         self.completed: list[str] = []
+        # Open Prefill on the request's prefill worker first, and fail as it fails.
+        self.relay_prefill = False
 
     async def Stats(self, request, context):  # noqa: N802 (gRPC method name)
         if self.stats_error is not None:
@@ -71,6 +78,8 @@ class FakeDecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
         self.requests.append(request)
         self.time_remaining[rid] = context.time_remaining()
         self.metadata[rid] = {k: v for k, v in context.invocation_metadata() if isinstance(v, str)}
+        if self.relay_prefill and request.prefill_address:
+            await self._relay_prefill(request.prefill_address, context.time_remaining())
         script = self.script_for(request) if self.script_for is not None else self.script
         want_logprobs = request.sampling_params.HasField("logprobs")
         chunks = [
@@ -93,6 +102,17 @@ class FakeDecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
         except asyncio.CancelledError:
             self.cancelled.append(rid)
             raise
+
+    @staticmethod
+    async def _relay_prefill(address: str, timeout: float | None) -> None:
+        """Open the Prefill stream as a decode worker does; its failure is raised as the
+        decode worker's link raises it."""
+        async with grpc.aio.insecure_channel(address) as channel:
+            link = GrpcPrefillLink(channel, address, timeout)
+            try:
+                await link.receive()
+            finally:
+                link.cancel()
 
     def _maybe_fail(self, script: Script, sent: int) -> None:
         if script.error is not None and sent == script.fail_after:
@@ -129,18 +149,26 @@ class FakeDecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
 
 
 class FakePrefillWorker(worker_pb2_grpc.PrefillWorkerServicer):
-    """Answers Stats (``stats``, or raises ``stats_error``); Prefill is not implemented."""
+    """Answers Stats (``stats``, or raises ``stats_error``); a Prefill call fails with
+    ``prefill_error`` (a full queue: ResourceExhaustedError) or ends without a message."""
 
     def __init__(self, queued_prompt_tokens: int = 0) -> None:
         self.stats = worker_stats(
             worker_pb2.WORKER_ROLE_PREFILL, queued_prompt_tokens=queued_prompt_tokens
         )
         self.stats_error: BaseException | None = None
+        self.prefill_error: BaseException | None = None
+        self.prefill_calls = 0
 
     async def Stats(self, request, context):  # noqa: N802
         if self.stats_error is not None:
             raise self.stats_error
         return self.stats
+
+    async def Prefill(self, request_iterator, context):  # noqa: N802
+        self.prefill_calls += 1
+        if self.prefill_error is not None:
+            raise self.prefill_error
 
 
 @dataclass(slots=True)

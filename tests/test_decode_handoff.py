@@ -25,6 +25,7 @@ from opentelemetry.trace import Tracer
 
 from decode_service.handoff import DecodeHandoff, HandoffLimits
 from decode_service.kv_inbox import KVInbox
+from decode_service.prefill_peers import PeerLimits, PrefillPeers
 from engine.async_engine import AsyncEngine
 from engine.errors import AbortedError, DeadlineExceededError, PermissionDeniedError
 from engine.request import RequestOutput, RequestTimings
@@ -97,6 +98,7 @@ class Rig:
         stall_s: float = STALL_S,
         fleet_key: FleetKey | None = None,
         tracer: Tracer | None = None,
+        peers: PrefillPeers | None = None,
     ) -> DecodeHandoff:
         def open_link(
             address: str, remaining: float | None, trace_context: Context | None
@@ -107,8 +109,10 @@ class Rig:
             self.links.append(link)
             return link
 
-        limits = HandoffLimits(stall_s, 1.0)
-        return DecodeHandoff(self.engine, self.inbox, limits, open_link, fleet_key, tracer)
+        limits = HandoffLimits(stall_s)
+        return DecodeHandoff(
+            self.engine, self.inbox, limits, open_link, fleet_key, tracer, peers=peers
+        )
 
     def transfer(
         self,
@@ -311,6 +315,32 @@ async def test_a_restarted_prefill_sender_is_forgotten(rig: Rig) -> None:
         rig.script = lambda link, order, sender=sender: rig.transfer(link, order, sender=sender)
         await _collect(handoff.run(rid, PROMPT, PARAMS, "p:1", None))
     assert forgotten == ["old"]
+    await rig.settle()
+
+
+async def test_a_prefill_sender_on_a_new_address_drops_the_old_address(rig: Rig) -> None:
+    """Hand-offs are counted by address and report their sender: the same sender reached
+    at a new address leaves the old address's channel to be dropped (not the sender);
+    a failed hand-off is counted out too."""
+    forgotten: list[str] = []
+    dropped: list[str] = []
+    clock = [0.0]
+    limits = PeerLimits(idle_s=100.0, departed_idle_s=10.0)
+    peers = PrefillPeers(
+        forgotten.append, drop_channel=dropped.append, limits=limits, clock=lambda: clock[0]
+    )
+    handoff = rig.handoff(peers=peers)
+    for rid, address in (("m1", "10.0.0.1:5"), ("m2", "10.0.0.9:5")):
+        rig.script = rig.transfer
+        await _collect(handoff.run(rid, PROMPT, PARAMS, address, None))
+    assert peers.address_of("s1") == "10.0.0.9:5"
+    assert (dropped, forgotten) == (["10.0.0.1:5"], [])
+    rig.script = lambda link, order: link.events.put_nowait(None)  # ends without a token
+    with pytest.raises(AbortedError):
+        await _collect(handoff.run("m3", PROMPT, PARAMS, "10.0.0.9:5", None))
+    clock[0] += limits.idle_s + 1
+    assert peers.prune() == ["10.0.0.9:5"]  # no stream left open on it: idle, dropped
+    assert forgotten == ["s1"]
     await rig.settle()
 
 

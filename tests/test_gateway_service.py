@@ -302,6 +302,41 @@ async def test_retries_are_bounded(model: ServedModel) -> None:
     assert len(decode.requests) == 2
 
 
+async def test_a_full_prefill_queue_is_retried_on_another_prefill_worker(
+    model: ServedModel,
+) -> None:
+    """One decode worker: its prefill worker's full queue is no reason to give up on it."""
+    decode = FakeDecodeWorker()
+    decode.relay_prefill = True
+    full, idle = FakePrefillWorker(queued_prompt_tokens=0), FakePrefillWorker(500)
+    full.prefill_error = errors.ResourceExhaustedError("engine queue is full (2 waiting)")
+    async with (
+        fake_workers([decode], [full, idle]) as (d, p),
+        running_gateway(model, d, p) as gw,
+    ):
+        got = await generate(gw.stub, text_request())
+    assert [r.prefill_address for r in decode.requests] == [p[0].address, p[1].address]
+    assert (full.prefill_calls, idle.prefill_calls) == (1, 1)
+    assert got[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+    assert [t for r in got for t in r.token_ids] == [10, 11, 12]
+
+
+async def test_when_every_prefill_queue_is_full_each_is_asked_once(model: ServedModel) -> None:
+    decode = FakeDecodeWorker()
+    decode.relay_prefill = True
+    prefill = [FakePrefillWorker(0), FakePrefillWorker(500)]
+    for worker in prefill:
+        worker.prefill_error = errors.ResourceExhaustedError("engine queue is full")
+    async with (
+        fake_workers([decode], prefill) as (d, p),
+        running_gateway(model, d, p, max_retries=5) as gw,
+    ):
+        _, err = await generate_error(gw.stub, text_request())
+    assert err.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "engine queue is full" in err.details()
+    assert [r.prefill_address for r in decode.requests] == [p[0].address, p[1].address]
+
+
 @pytest.mark.parametrize(
     ("error", "code"),
     [

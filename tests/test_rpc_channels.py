@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -49,3 +50,15 @@ async def test_cached_channel_talks_to_a_server() -> None:
     finally:
         await cache.close()
         await server.stop()
+
+
+async def test_a_discarded_channel_is_replaced_at_once_and_closed_in_the_background() -> None:
+    cache = ChannelCache()
+    old = cache.get("127.0.0.1:1")
+    cache.discard("127.0.0.1:1")
+    new = cache.get("127.0.0.1:1")  # before the old one's close has run
+    assert new is not old and len(cache) == 1
+    cache.discard("127.0.0.1:9")  # unknown: nothing to do
+    await cache.close()  # waits for the discarded one too
+    assert old.get_state() is grpc.ChannelConnectivity.SHUTDOWN
+    assert new.get_state() is grpc.ChannelConnectivity.SHUTDOWN

@@ -6,7 +6,17 @@ import grpc
 import pytest
 
 from engine import errors
-from rpc.errors import PeerRpcError, error_from_rpc, error_from_status, status_for, typed_rpc_errors
+from protos.baton.v1 import worker_pb2
+from rpc.errors import (
+    EXHAUSTED_ROLE_KEY,
+    PeerRpcError,
+    RoleExhaustedError,
+    abort_with,
+    error_from_rpc,
+    error_from_status,
+    status_for,
+    typed_rpc_errors,
+)
 
 TYPED = [
     (ValueError("bad top_p"), grpc.StatusCode.INVALID_ARGUMENT),
@@ -22,14 +32,31 @@ TYPED = [
 
 
 class FakeRpcError(grpc.RpcError):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        self._code, self._details = code, details
+    def __init__(
+        self, code: grpc.StatusCode, details: str, trailing: tuple[tuple[str, str], ...] = ()
+    ) -> None:
+        self._code, self._details, self._trailing = code, details, trailing
 
     def code(self) -> grpc.StatusCode:
         return self._code
 
     def details(self) -> str:
         return self._details
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._trailing
+
+
+class FakeContext:
+    """Records the one ``abort`` a handler's failure makes."""
+
+    def __init__(self) -> None:
+        self.aborted: tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]] | None = None
+
+    async def abort(
+        self, code: grpc.StatusCode, details: str, trailing_metadata: tuple = ()
+    ) -> None:
+        self.aborted = (code, details, tuple(trailing_metadata))
 
 
 @pytest.mark.parametrize(("exc", "code"), TYPED, ids=[type(e).__name__ for e, _ in TYPED])
@@ -80,3 +107,37 @@ def test_typed_rpc_errors_reraises_chained() -> None:
 def test_untranslated_peer_error_keeps_its_code() -> None:
     code, message = status_for(FakeRpcError(grpc.StatusCode.ABORTED, "epoch is stale"))
     assert (code, message) == (grpc.StatusCode.ABORTED, "epoch is stale")
+
+
+async def test_an_exhausted_role_travels_in_the_trailing_metadata() -> None:
+    """A decode worker relays its prefill worker's full queue: still RESOURCE_EXHAUSTED,
+    the role in a metadata key (never parsed out of the message)."""
+    prefill, decode = worker_pb2.WORKER_ROLE_PREFILL, worker_pb2.WORKER_ROLE_DECODE
+    relayed = RoleExhaustedError("prefill p:1: engine queue is full", prefill)
+    context = FakeContext()
+    await abort_with(context, relayed, "/baton.v1.DecodeWorker/Decode")  # type: ignore[arg-type]
+    assert context.aborted is not None
+    code, details, trailing = context.aborted
+    assert (code, details) == (grpc.StatusCode.RESOURCE_EXHAUSTED, str(relayed))
+    assert trailing == ((EXHAUSTED_ROLE_KEY, "WORKER_ROLE_PREFILL"),)
+    back = error_from_rpc(FakeRpcError(code, details, trailing), role=decode)
+    assert isinstance(back, RoleExhaustedError) and back.role == prefill
+    assert str(back) == str(relayed)
+    # Without the key: the role of the peer called, when the caller names one.
+    bare = FakeRpcError(code, "no free KV blocks")
+    own = error_from_rpc(bare, role=decode)
+    assert isinstance(own, RoleExhaustedError) and own.role == decode
+    assert type(error_from_rpc(bare)) is errors.ResourceExhaustedError
+    # A role this side does not know falls back the same way.
+    odd = FakeRpcError(code, "full", ((EXHAUSTED_ROLE_KEY, "WORKER_ROLE_GPU_POOL"),))
+    assert error_from_rpc(odd, role=decode).role == decode  # type: ignore[attr-defined]
+    with pytest.raises(errors.ResourceExhaustedError) as info:
+        with typed_rpc_errors("prefill p:1", role=prefill):
+            raise bare
+    assert isinstance(info.value, RoleExhaustedError) and info.value.role == prefill
+    # Other errors carry no role; BOTH or UNSPECIFIED is not a role that runs out.
+    other = FakeContext()
+    await abort_with(other, errors.AbortedError("stale"), "m")  # type: ignore[arg-type]
+    assert other.aborted is not None and other.aborted[2] == ()
+    with pytest.raises(ValueError, match="WORKER_ROLE_PREFILL"):
+        RoleExhaustedError("full", worker_pb2.WORKER_ROLE_BOTH)
