@@ -188,6 +188,28 @@ async def test_a_correct_hand_off_decodes_and_acks(rig: Rig) -> None:
     await rig.settle()
 
 
+async def test_a_queued_reservation_waits_until_served_or_the_clients_deadline(
+    rig: Rig,
+) -> None:
+    """A request that got a place in the reservation FIFO is never sent away after a timed
+    wait of decode's own: it waits for blocks without a bound of its own, or up to the
+    client's deadline."""
+    asked: list[float | None] = []
+    real_reserve = rig.engine.reserve
+
+    async def reserve(rid, prompt, params, *, timeout_s=0.0):  # noqa: ANN001, ANN202
+        asked.append(timeout_s)
+        return await real_reserve(rid, prompt, params, timeout_s=timeout_s)
+
+    rig.engine.reserve = reserve  # type: ignore[method-assign]
+    rig.script = rig.transfer
+    await _collect(rig.handoff().run("r1", PROMPT, PARAMS, "p:1", None))
+    await _collect(rig.handoff().run("r2", PROMPT, PARAMS, "p:1", time.monotonic() + 120))
+    assert asked[0] is None
+    assert asked[1] is not None and 110 < asked[1] <= 120
+    await rig.settle()
+
+
 async def test_spans_and_first_output_timings_of_a_hand_off(rig: Rig) -> None:
     exporter = InMemorySpanExporter()
     provider = TracerProvider()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.errors import UnavailableError
+from engine.errors import ResourceExhaustedError, UnavailableError
 from gateway.router import Route, Router, WorkerKind
 from protos.baton.v1 import worker_pb2
 from rpc.channels import ChannelCache
@@ -67,6 +67,58 @@ def test_single_process_mode_has_no_prefill() -> None:
     assert r.single_process
     set_up(r, "d0:1")
     assert r.pick(5) == Route(decode="d0:1", prefill="")
+
+
+def test_a_full_decode_worker_is_skipped_and_all_full_is_refused_at_once() -> None:
+    """Seats and queue places reported (2 + 3 each): requests held there (the report, the
+    picks since, this gateway's streams) fill them, and nothing more is sent."""
+    r = router(decode=2, prefill=1)
+    set_up(r, "p0:1")
+    set_up(
+        r,
+        "d0:1",
+        free_kv_blocks=90,
+        num_running=2,
+        num_waiting=2,
+        max_num_seqs=2,
+        max_queued_requests=3,
+    )
+    set_up(r, "d1:1", free_kv_blocks=10, max_num_seqs=2, max_queued_requests=3)
+    first = r.pick(1)
+    assert first.decode == "d0:1"  # 4 held of 5: still room, and the most free blocks
+    assert [r.pick(1).decode for _ in range(5)] == ["d1:1"] * 5  # d0 is full now
+    with pytest.raises(ResourceExhaustedError, match="every decode worker is at capacity"):
+        r.pick(1)
+    with pytest.raises(ResourceExhaustedError, match="every decode worker is at capacity"):
+        r.check_room(0)
+
+
+def test_streams_that_ended_since_the_last_report_free_their_places() -> None:
+    r = router(decode=1, prefill=0)
+    set_up(r, "d0:1", max_num_seqs=1, max_queued_requests=1)
+    routes = [r.pick(1), r.pick(1)]
+    with r.using(routes[0]), r.using(routes[1]):
+        with pytest.raises(ResourceExhaustedError):
+            r.pick(1)
+    assert r.pick(1).decode == "d0:1"  # both ended: their places count as free again
+
+
+def test_requests_admitted_but_not_yet_routed_count_against_the_capacity() -> None:
+    """A burst is refused on arrival: this gateway's requests still being tokenized hold
+    places too."""
+    r = router(decode=2, prefill=0)
+    for address in ("d0:1", "d1:1"):
+        set_up(r, address, max_num_seqs=64, max_queued_requests=256)
+    r.check_room(639)
+    with pytest.raises(ResourceExhaustedError, match="640 requests held against 640"):
+        r.check_room(640)
+
+
+def test_workers_that_report_no_bounds_are_never_full() -> None:
+    r = router(decode=1, prefill=0)
+    set_up(r, "d0:1", num_running=10_000)  # an older worker: no max_num_seqs in Stats
+    r.check_room(10_000)
+    assert r.pick(1).decode == "d0:1"
 
 
 def test_bad_worker_lists_are_refused() -> None:
