@@ -18,6 +18,7 @@ The launcher starts a gateway, one prefill and one decode worker with no flag ch
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -46,7 +47,9 @@ def cluster(smollm2: object) -> Iterator[E2ECluster]:
 def _request(i: int) -> generate_pb2.GenerateRequest:
     return generate_pb2.GenerateRequest(
         text=f"Question {i}: name one fact about the number {i}.",
-        sampling_params=common_pb2.SamplingParameters(max_tokens=MAX_TOKENS, temperature=0),
+        sampling_params=common_pb2.SamplingParameters(
+            max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True
+        ),
     )
 
 
@@ -77,6 +80,13 @@ async def _burst(address: str, n: int, cancel_every: int = 0) -> list[tuple[str,
                 for i in range(n)
             )
         )
+
+
+def test_the_workers_yield_the_cpu_to_the_gateway(cluster: E2ECluster) -> None:
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    for proc in cluster.procs:
+        want = ours if proc.kind == "gateway" else min(19, ours + 10)
+        assert os.getpriority(os.PRIO_PROCESS, proc.popen.pid) == want, proc.kind
 
 
 def test_256_concurrent_streams_at_the_defaults_all_complete(cluster: E2ECluster) -> None:
