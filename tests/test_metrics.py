@@ -113,6 +113,18 @@ def test_worker_collector_exposes_every_worker_metric_from_the_snapshot() -> Non
     }
 
 
+def test_a_dead_transfer_thread_shows_on_the_worker_metrics() -> None:
+    up: list[bool | None] = [None]
+    registry = CollectorRegistry()
+    registry.register(WorkerCollector("decode", lambda: None, transfer_up=lambda: up[0]))
+    name = ("baton_kv_transfer_thread_up", (("role", "decode"),))
+    assert name not in samples(registry)  # no receiver (yet): no series
+    up[0] = True
+    assert samples(registry)[name] == 1
+    up[0] = False
+    assert samples(registry)[name] == 0
+
+
 def test_failure_reasons_are_a_small_fixed_set() -> None:
     assert failure_reason(errors.LayoutMismatchError("x")) == "layout_mismatch"
     assert failure_reason(errors.UnavailableError("x")) == "unavailable"
