@@ -7,7 +7,9 @@ lease, prefill, verify, ack), over a ``GrpcPrefillLink`` (mTLS when configured).
 and health come from the engine's published snapshot. If the engine thread or the KV
 receiver's thread dies, open streams end with UNAVAILABLE (those still in their
 hand-off at once, ``rpc.liveness.unless_fatal``) and the worker reports NOT_SERVING for
-good (``fatal``), so a liveness probe restarts it.
+good (``fatal``), so a liveness probe restarts it; while the engine is stuck in a step
+past ``--engine-stall-timeout-s`` it reports NOT_SERVING until it steps again
+(``stalled``).
 
 The ``traceparent`` of a ``Decode`` call is the parent of the request's spans here
 (``decode.reserve``, ``decode.wait_kv``, ``decode.decode``; single-process one
@@ -50,7 +52,7 @@ from rpc.convert import (
     token_logprob_to_proto,
     worker_stats_to_proto,
 )
-from rpc.liveness import unless_fatal
+from rpc.liveness import EngineStall, unless_fatal
 from rpc.tls import TlsMaterial, server_name_option
 from rpc.tracing import context_from_metadata, span
 from rpc.worker_config import WorkerConfig
@@ -108,6 +110,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         # (on a shared prefill worker) with another decode worker's attempt.
         self._attempts = itertools.count(1)
         self._fatal: asyncio.Future[str] | None = None
+        self._stall = EngineStall(
+            cfg.engine_stall_timeout_s,
+            lambda: self.engine.snapshot_age_s if self.engine is not None else None,
+        )
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -139,6 +145,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         """Resolves (with the reason) once this worker can no longer serve."""
         assert self._fatal is not None, "start() first"
         return await asyncio.shield(self._fatal)
+
+    def stalled(self) -> str | None:
+        """Why this worker cannot serve for now (its engine is stuck in a step), or None."""
+        return self._stall.check()
 
     async def close(self) -> None:
         if self.handoff is not None:

@@ -1,5 +1,5 @@
-"""rpc.liveness without gRPC: a request in its hand-off ended with UNAVAILABLE the
-moment its worker's fault turns fatal."""
+"""rpc.liveness without gRPC: the engine-stall decision, and a request in its hand-off
+ended with UNAVAILABLE the moment its worker's fault turns fatal."""
 
 from __future__ import annotations
 
@@ -9,7 +9,28 @@ from collections.abc import AsyncIterator
 import pytest
 
 from engine.errors import AbortedError, UnavailableError
-from rpc.liveness import unless_fatal
+from rpc.liveness import EngineStall, unless_fatal
+
+
+def test_an_engine_is_stalled_only_past_the_bound() -> None:
+    age: list[float | None] = [None]
+    stall = EngineStall(60.0, lambda: age[0])
+    assert stall.check() is None  # no engine yet: readiness covers start-up
+    age[0] = 0.3
+    assert stall.check() is None
+    age[0] = 60.0
+    assert stall.check() is None
+    age[0] = 61.5
+    reason = stall.check()
+    assert reason is not None and "61.5 s" in reason and "--engine-stall-timeout-s" in reason
+    age[0] = 0.01  # it stepped again
+    assert stall.check() is None
+
+
+def test_a_zero_bound_never_stalls_and_a_negative_one_is_refused() -> None:
+    assert EngineStall(0.0, lambda: 1e9).check() is None
+    with pytest.raises(ValueError, match="-1"):
+        EngineStall(-1.0, lambda: 0.0)
 
 
 class _Handoff:

@@ -1,10 +1,13 @@
 """A worker that can no longer serve says so: over a real ``RpcServer``, wired as the
-services' ``__main__`` wire it (``fatal``, the metrics collector).
+services' ``__main__`` wire it (``fatal``, ``liveness``, the metrics collector).
 
 - Decode's KV receiver thread dies (an EMFILE injected into it) while a request is in
   its hand-off: that request ends with UNAVAILABLE at once (not after the transfer
   timeout), its blocks come back, health turns NOT_SERVING for good, new calls are
   refused with UNAVAILABLE, and ``baton_kv_transfer_thread_up`` reads 0.
+- A single-process worker whose engine is stuck in a step (alive, wedged) turns
+  NOT_SERVING past ``--engine-stall-timeout-s`` and SERVING again once it steps; the
+  request that was stuck finishes.
 """
 
 from __future__ import annotations
@@ -12,9 +15,11 @@ from __future__ import annotations
 import asyncio
 import errno
 import re
+import threading
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import grpc.aio
@@ -64,7 +69,7 @@ def _config(model: Path, role: str, **overrides: object) -> WorkerConfig:
     return WorkerConfig(role=role, engine=engine, **values)  # type: ignore[arg-type]
 
 
-def _spec(decode: DecodeServicer) -> ServerSpec:
+def _spec(decode: DecodeServicer, interval_s: float = 1.0) -> ServerSpec:
     """What decode_service.__main__ builds, on port 0."""
     return ServerSpec(
         name="decode",
@@ -73,6 +78,8 @@ def _spec(decode: DecodeServicer) -> ServerSpec:
         ready=decode.start,
         grace_s=0.0,
         fatal=decode.fatal,
+        liveness=decode.stalled,
+        liveness_interval_s=interval_s,
     )
 
 
@@ -177,3 +184,58 @@ async def test_a_dead_kv_receiver_thread_fails_the_handoffs_and_turns_not_servin
         await server.stop()
         await prefill_server.stop()
         await decode.close()
+
+
+async def test_a_wedged_engine_is_not_serving_until_it_steps_again(tiny_llama: Path) -> None:
+    decode = DecodeServicer(_config(tiny_llama, "both", engine_stall_timeout_s=0.5))
+    server = RpcServer(_spec(decode, interval_s=0.05))
+    release = threading.Event()
+    entered = threading.Event()
+    try:
+        await server.start()
+        await server.wait_ready()
+        assert decode.engine is not None
+        real_run = decode.engine.core.runner._run
+
+        def wedged(sched):  # noqa: ANN001, ANN202
+            if not release.is_set():
+                entered.set()
+                release.wait(60)  # stuck in the step, the thread alive
+            return real_run(sched)
+
+        decode.engine.core.runner._run = wedged  # type: ignore[method-assign]
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            await asyncio.sleep(1.0)  # idle longer than the bound: still SERVING
+            assert await _health(channel) == SERVING
+            stub = worker_pb2_grpc.DecodeWorkerStub(channel)
+            stuck = asyncio.ensure_future(
+                _collect(stub.Decode(_request("stuck"), timeout=CALL_TIMEOUT_S))
+            )
+            assert await asyncio.to_thread(entered.wait, 20)
+            await _eventually_health(channel, NOT_SERVING)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.Stats(worker_pb2.StatsRequest(), timeout=10)
+            assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
+            assert "has not finished a step" in refused.value.details()
+            release.set()
+            await _eventually_health(channel, SERVING)
+            assert len(await asyncio.wait_for(stuck, 60)) == 6
+            await stub.Stats(worker_pb2.StatsRequest(), timeout=10)
+    finally:
+        release.set()
+        await server.stop()
+        await decode.close()
+
+
+def test_the_prefill_worker_reads_the_same_stall_bound(tiny_llama: Path) -> None:
+    """What prefill_service.__main__ polls (``stalled``) follows its engine's snapshot age
+    against --engine-stall-timeout-s; no engine yet: not stalled (readiness covers it)."""
+    from prefill_service.servicer import PrefillServicer
+
+    prefill = PrefillServicer(_config(tiny_llama, "prefill", engine_stall_timeout_s=5.0))
+    assert prefill.stalled() is None
+    prefill.engine = SimpleNamespace(snapshot_age_s=0.2)  # type: ignore[assignment]
+    assert prefill.stalled() is None
+    prefill.engine = SimpleNamespace(snapshot_age_s=7.0)  # type: ignore[assignment]
+    reason = prefill.stalled()
+    assert reason is not None and "7.0 s" in reason
