@@ -45,7 +45,6 @@ def test_a_fault_in_the_sweep_fails_every_pending_lease(kind: str) -> None:
         receiver.expect("b", (3,), 1, _deadline())
         receiver.expect("c", (4,), 1, _deadline())
         receiver.cancel("c")  # already ending: keeps its own outcome
-        assert receiver.failure is None
 
         def sweep():  # noqa: ANN202
             raise OSError(errno.EMFILE, "Too many open files (injected)")
