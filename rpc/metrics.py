@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import threading
 import time
@@ -248,13 +249,14 @@ def _transfer_metrics(role: str, t: TransferStats) -> Iterator[Metric]:
 class WorkerSampler:
     """Keeps the latest :class:`WorkerSnapshot` of a worker; run it on the worker's loop.
 
-    ``stats`` asks the engine for its stats (None while it starts). ``snapshot`` may be
-    called from any thread.
+    ``stats`` asks the engine for its stats, at once (``AsyncEngine.stats``, its
+    published snapshot) or awaitable; None while it starts. ``snapshot`` may be called
+    from any thread.
     """
 
     def __init__(
         self,
-        stats: Callable[[], Awaitable[EngineStats] | None],
+        stats: Callable[[], EngineStats | Awaitable[EngineStats] | None],
         *,
         interval_s: float = 1.0,
         window_s: float = 10.0,
@@ -275,7 +277,7 @@ class WorkerSampler:
         pending = self._stats()
         if pending is None:
             return
-        stats = await pending
+        stats = await pending if inspect.isawaitable(pending) else pending
         now = time.monotonic()
         self._history.append((now, stats.busy_seconds))
         while len(self._history) > 2 and now - self._history[1][0] >= self._window_s:

@@ -154,6 +154,15 @@ async def test_sampler_reports_the_busy_share_of_its_window() -> None:
     assert idle.snapshot() is None
 
 
+async def test_sampler_takes_the_engines_snapshot_as_it_is_answered() -> None:
+    """AsyncEngine.stats answers at once (its published snapshot), not an awaitable: the
+    workers' __main__ hands it over like that, and the metrics must still show."""
+    sampler = WorkerSampler(lambda: engine_stats(num_running=7))
+    await sampler.sample()
+    snap = sampler.snapshot()
+    assert snap is not None and snap.engine.num_running == 7
+
+
 def test_engine_counts_prompt_and_generated_tokens(tiny_llama: Path) -> None:
     core = make_core(tiny_llama, num_blocks=64)
     core.generate([[5, 6, 7, 8], [9, 10]], SamplingParams(max_tokens=3, ignore_eos=True))
