@@ -68,6 +68,7 @@ async def _run(cfg: WorkerConfig) -> None:
         grace_s=cfg.grace_s,
         port_file=cfg.port_file,
         fatal=servicer.fatal,
+        liveness=servicer.stalled,
         credentials=security.server_credentials(),
         reflection=cfg.enable_reflection,
     )
@@ -81,6 +82,7 @@ async def _run(cfg: WorkerConfig) -> None:
             sampler.snapshot,
             lambda: servicer.inbox.tally.snapshot() if servicer.inbox is not None else None,
             lambda: servicer.inbox.num_quarantined if servicer.inbox is not None else None,
+            lambda: servicer.inbox.worker_up if servicer.inbox is not None else None,
         )
     )
     sampling = None  # the sampler asks the engine for stats: only when someone reads them

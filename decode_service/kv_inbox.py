@@ -3,7 +3,9 @@
 Bridges the transport's receiver (its own threads) to asyncio: a lease's completion
 resolves a future on the event loop. Blocks of a lease are handed back to the engine
 only after its completion arrived, because until then a prefill worker may still be
-writing them.
+writing them. If the receiver's worker thread dies (every lease then ends with
+UnavailableError), ``on_failure`` is called once, on the loop: the worker must stop
+serving.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -31,6 +34,7 @@ class KVInbox:
         transfer: TransferConfig | None = None,
         device: str = "cpu",
         timeline: TimelineRecorder = OFF,
+        on_failure: Callable[[BaseException], None] | None = None,
     ):
         self.kind = kind
         self.timeline = timeline  # the receiver's leases and verifies go on it
@@ -43,6 +47,8 @@ class KVInbox:
         # request id -> (when its lease was granted, bytes it covers), for the tally.
         self._started: dict[str, tuple[float, int]] = {}
         self.tally = TransferTally()  # every lease's outcome, for the metrics endpoint
+        self._on_failure = on_failure
+        self._failure_reported = False
 
     def allocate_pool(self, layout: KVLayout, num_blocks: int) -> torch.Tensor:
         """The engine's KV pool, placed where prefill workers can write it.
@@ -112,6 +118,18 @@ class KVInbox:
         self.receiver.forget_sender(sender_incarnation)
 
     @property
+    def failure(self) -> BaseException | None:
+        """What killed the receiver's worker thread (``KVReceiver.failure``); None while
+        it runs, or before the pool exists."""
+        return self.receiver.failure if self.receiver is not None else None
+
+    @property
+    def worker_up(self) -> bool | None:
+        """Whether the receiver's worker thread runs (False once it died); None before
+        the pool exists."""
+        return None if self.receiver is None else self.receiver.failure is None
+
+    @property
     def num_quarantined(self) -> int:
         """Leases whose blocks a stalled live sender still claims."""
         return self.receiver.num_quarantined if self.receiver is not None else 0
@@ -142,3 +160,8 @@ class KVInbox:
             fut = self._waiters.pop(completion.request_id, None)
             if fut is not None and not fut.done():
                 fut.set_result(completion)
+        failure = self.receiver.failure
+        if failure is not None and not self._failure_reported:
+            self._failure_reported = True
+            if self._on_failure is not None:
+                self._on_failure(failure)

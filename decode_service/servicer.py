@@ -4,9 +4,12 @@ Single-process mode (role ``both``) runs the prompt in this worker's engine. Oth
 the KV hand-off with the prefill worker the gateway chose (if it is in this worker's
 fleet, ``decode_service.prefill_fleet``) runs in ``decode_service.handoff`` (reserve,
 lease, prefill, verify, ack), over a ``GrpcPrefillLink`` (mTLS when configured). Stats
-and health come from the engine's published snapshot; if the engine thread dies, open
-streams end with UNAVAILABLE and the worker reports NOT_SERVING (``fatal``), so a
-liveness probe restarts it.
+and health come from the engine's published snapshot. If the engine thread or the KV
+receiver's thread dies, open streams end with UNAVAILABLE (those still in their
+hand-off at once, ``rpc.liveness.unless_fatal``) and the worker reports NOT_SERVING for
+good (``fatal``), so a liveness probe restarts it; while the engine is stuck in a step
+past ``--engine-stall-timeout-s`` it reports NOT_SERVING until it steps again
+(``stalled``).
 
 The ``traceparent`` of a ``Decode`` call is the parent of the request's spans here
 (``decode.reserve``, ``decode.wait_kv``, ``decode.decode``; single-process one
@@ -50,6 +53,7 @@ from rpc.convert import (
     token_logprob_to_proto,
     worker_stats_to_proto,
 )
+from rpc.liveness import EngineStall, unless_fatal
 from rpc.tls import TlsMaterial, server_name_option
 from rpc.tracing import context_from_metadata, span
 from rpc.worker_config import WorkerConfig
@@ -92,6 +96,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 TransferConfig(fleet_key=fleet_key),
                 device=cfg.engine.device,
                 timeline=self.timeline,
+                on_failure=self._receiver_died,
             )
         self.channels = ChannelCache(
             CHANNEL_OPTIONS + server_name_option(cfg.tls_server_name),
@@ -106,6 +111,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         # (on a shared prefill worker) with another decode worker's attempt.
         self._attempts = itertools.count(1)
         self._fatal: asyncio.Future[str] | None = None
+        self._stall = EngineStall(
+            cfg.engine_stall_timeout_s,
+            lambda: self.engine.snapshot_age_s if self.engine is not None else None,
+        )
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -150,6 +159,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         assert self._fatal is not None, "start() first"
         return await asyncio.shield(self._fatal)
 
+    def stalled(self) -> str | None:
+        """Why this worker cannot serve for now (its engine is stuck in a step), or None."""
+        return self._stall.check()
+
     async def close(self) -> None:
         if self.handoff is not None:
             await self.handoff.close(self.cfg.transfer_timeout_s)
@@ -164,8 +177,15 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     def _engine_died(self, exc: BaseException) -> None:
         logger.error("decode engine died: %r; reporting NOT_SERVING", exc)
+        self._cannot_serve(f"engine thread died: {exc!r}")
+
+    def _receiver_died(self, exc: BaseException) -> None:
+        logger.error("KV receiver thread died: %r; reporting NOT_SERVING", exc)
+        self._cannot_serve(f"KV receiver thread died: {exc!r}")
+
+    def _cannot_serve(self, reason: str) -> None:
         if self._fatal is not None and not self._fatal.done():
-            self._fatal.set_result(f"engine thread died: {exc!r}")
+            self._fatal.set_result(reason)
 
     def _open_link(
         self, address: str, timeout: float | None, trace_context: Context | None
@@ -220,6 +240,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             outputs = self.handoff.run(
                 rid, prompt, params, request.prefill_address, deadline, trace_context=parent
             )
+        assert self._fatal is not None
+        outputs = unless_fatal(outputs, self._fatal)
         # Closed explicitly, so leaving early frees the request now, not at GC.
         async with contextlib.aclosing(outputs):
             async for msg in _responses(with_timings(outputs, began), len(prompt)):

@@ -61,6 +61,7 @@ async def _run(cfg: WorkerConfig) -> None:
         grace_s=cfg.grace_s,
         port_file=cfg.port_file,
         fatal=servicer.fatal,
+        liveness=servicer.stalled,
         credentials=security.server_credentials(),
         reflection=cfg.enable_reflection,
     )

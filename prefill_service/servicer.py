@@ -3,7 +3,9 @@
 One bidirectional ``Prefill`` stream per request; the hand-off itself (prefill into the
 decode worker's leased blocks, progress beats, transfer, ack) runs in
 ``prefill_service.handoff``. Stats come from the engine's published snapshot; if the
-engine thread dies the worker reports NOT_SERVING (``fatal``). The stream's
+engine thread dies the worker reports NOT_SERVING for good (``fatal``), and while the
+engine is stuck in a step past ``--engine-stall-timeout-s`` until it steps again
+(``stalled``, ``rpc.liveness``). The stream's
 ``traceparent`` (decode's ``decode.wait_kv``) is the parent of the request's spans here.
 """
 
@@ -30,6 +32,7 @@ from prefill_service.kv_outbox import KVOutbox
 from protos.baton.v1 import worker_pb2, worker_pb2_grpc
 from rpc.convert import worker_stats_to_proto
 from rpc.convert_handoff import ack_from_proto, prefill_event_to_proto, prefill_order_from_proto
+from rpc.liveness import EngineStall
 from rpc.tracing import context_from_metadata
 from rpc.worker_config import WorkerConfig
 
@@ -62,6 +65,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.handoff: PrefillHandoff | None = None
         self._incarnation = uuid.uuid4().hex
         self._fatal: asyncio.Future[str] | None = None
+        self._stall = EngineStall(
+            cfg.engine_stall_timeout_s,
+            lambda: self.engine.snapshot_age_s if self.engine is not None else None,
+        )
 
     async def start(self) -> None:
         """Readiness: load weights, allocate KV, warm up, start the transfer worker."""
@@ -89,6 +96,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         """Resolves (with the reason) once this worker can no longer serve."""
         assert self._fatal is not None, "start() first"
         return await asyncio.shield(self._fatal)
+
+    def stalled(self) -> str | None:
+        """Why this worker cannot serve for now (its engine is stuck in a step), or None."""
+        return self._stall.check()
 
     async def close(self) -> None:
         if self.handoff is not None:

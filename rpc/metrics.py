@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import threading
 import time
@@ -96,8 +97,8 @@ class WorkerSnapshot:
 
 class WorkerCollector(Collector):
     """The worker metrics, from ``snapshot()``, ``transfers()`` (None: this worker moves
-    no KV, or not yet) and ``quarantined()`` (None: it receives no KV) at every scrape.
-    ``role`` labels them all."""
+    no KV, or not yet), ``quarantined()`` and ``transfer_up()`` (None: it receives no KV,
+    or not yet) at every scrape. ``role`` labels them all."""
 
     def __init__(
         self,
@@ -105,11 +106,13 @@ class WorkerCollector(Collector):
         snapshot: Callable[[], WorkerSnapshot | None],
         transfers: Callable[[], TransferStats | None] = lambda: None,
         quarantined: Callable[[], int | None] = lambda: None,
+        transfer_up: Callable[[], bool | None] = lambda: None,
     ) -> None:
         self._role = role
         self._snapshot = snapshot
         self._transfers = transfers
         self._quarantined = quarantined
+        self._transfer_up = transfer_up
 
     def describe(self) -> list[Metric]:
         return []  # names are only known from a snapshot; nothing to check up front
@@ -128,6 +131,16 @@ class WorkerCollector(Collector):
             )
             leases.add_metric([self._role], quarantined)
             yield leases
+        up = self._transfer_up()
+        if up is not None:
+            thread = GaugeMetricFamily(
+                "baton_kv_transfer_thread_up",
+                "1 while the KV transfer worker thread runs; 0 once it died (every "
+                "pending hand-off then failed with UNAVAILABLE and health is NOT_SERVING).",
+                labels=["role"],
+            )
+            thread.add_metric([self._role], 1.0 if up else 0.0)
+            yield thread
         snap = self._snapshot()
         if snap is None:
             return
@@ -236,13 +249,14 @@ def _transfer_metrics(role: str, t: TransferStats) -> Iterator[Metric]:
 class WorkerSampler:
     """Keeps the latest :class:`WorkerSnapshot` of a worker; run it on the worker's loop.
 
-    ``stats`` asks the engine for its stats (None while it starts). ``snapshot`` may be
-    called from any thread.
+    ``stats`` asks the engine for its stats, at once (``AsyncEngine.stats``, its
+    published snapshot) or awaitable; None while it starts. ``snapshot`` may be called
+    from any thread.
     """
 
     def __init__(
         self,
-        stats: Callable[[], Awaitable[EngineStats] | None],
+        stats: Callable[[], EngineStats | Awaitable[EngineStats] | None],
         *,
         interval_s: float = 1.0,
         window_s: float = 10.0,
@@ -263,7 +277,7 @@ class WorkerSampler:
         pending = self._stats()
         if pending is None:
             return
-        stats = await pending
+        stats = await pending if inspect.isawaitable(pending) else pending
         now = time.monotonic()
         self._history.append((now, stats.busy_seconds))
         while len(self._history) > 2 and now - self._history[1][0] >= self._window_s:

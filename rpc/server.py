@@ -11,7 +11,10 @@ plus what a model server needs around it::
             drain for up to spec.grace_s -> server.stop() cancels what is left
 
 Until ``ready`` returns, and from the moment stopping begins, every call other than
-health and reflection is refused with UNAVAILABLE, so a caller can retry elsewhere.
+health and reflection is refused with UNAVAILABLE, so a caller can retry elsewhere. So
+it is, for good, once ``spec.fatal`` resolves (the engine died), and, for as long as it
+lasts, while ``spec.liveness`` names a reason (the engine is stuck in a step): health
+always says SERVING exactly when calls are admitted.
 """
 
 from __future__ import annotations
@@ -79,6 +82,11 @@ class ServerSpec:
     # (its engine died): health goes NOT_SERVING and new calls are refused with
     # UNAVAILABLE, so probes and the gateway route around it. None: never.
     fatal: Callable[[], Awaitable[str]] | None = None
+    # Called every ``liveness_interval_s`` once ready (``rpc.liveness``): a reason while
+    # the service cannot serve for now (its engine is stuck in a step), None while it
+    # can. Health and admission follow it both ways, unlike ``fatal``. None: not polled.
+    liveness: Callable[[], str | None] | None = None
+    liveness_interval_s: float = 1.0
     # Awaited when stopping begins, beside the drain of gRPC calls and within the same
     # grace period: another front end of the service (the gateway's HTTP API) drains here.
     on_stop: Callable[[], Awaitable[None]] | None = None
@@ -88,6 +96,8 @@ class ServerSpec:
             raise ValueError(f"port must be in [0, 65536), got {self.port!r}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s!r}")
+        if self.liveness_interval_s <= 0:
+            raise ValueError(f"liveness_interval_s must be > 0, got {self.liveness_interval_s!r}")
         if not self.service_names:
             raise ValueError("service_names must name at least one service")
 
@@ -153,7 +163,11 @@ class RpcServer:
         self._gate = _Gate()
         self._ready_task: asyncio.Task[None] | None = None
         self._fatal_task: asyncio.Task[None] | None = None
+        self._liveness_task: asyncio.Task[None] | None = None
+        self._fatal_reason: str | None = None  # once spec.fatal resolved
         self._stopping: asyncio.Task[None] | None = None
+        # Health updates await (Watch streams); one at a time, so the last one wins.
+        self._health_lock = asyncio.Lock()
 
     @property
     def in_flight(self) -> int:
@@ -220,20 +234,54 @@ class RpcServer:
         if self._stopping is not None:
             return
         self._gate.open = True
-        for name in ("", *self.spec.service_names):
-            await self.health_servicer.set(name, SERVING)
+        await self._sync_health()
         logger.info("%s is SERVING", self.spec.name)
         if self.spec.fatal is not None:
             self._fatal_task = asyncio.create_task(self._watch_fatal(self.spec.fatal))
+        if self.spec.liveness is not None:
+            self._liveness_task = asyncio.create_task(
+                self._watch_liveness(self.spec.liveness, self.spec.liveness_interval_s)
+            )
+
+    async def _sync_health(self) -> None:
+        """Health of every service := whether calls are admitted now."""
+        async with self._health_lock:
+            status = SERVING if self._gate.open else NOT_SERVING
+            for name in ("", *self.spec.service_names):
+                await self.health_servicer.set(name, status)
 
     async def _watch_fatal(self, fatal: Callable[[], Awaitable[str]]) -> None:
         reason = await fatal()
         if self._stopping is not None:
             return
         logger.error("%s cannot serve any more (%s): NOT_SERVING", self.spec.name, reason)
+        self._fatal_reason = reason
         self._gate.close(f"{self.spec.name} cannot serve: {reason}")
-        for name in ("", *self.spec.service_names):
-            await self.health_servicer.set(name, NOT_SERVING)
+        await self._sync_health()
+
+    async def _watch_liveness(self, liveness: Callable[[], str | None], interval: float) -> None:
+        name = self.spec.name
+        wedged: str | None = None
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                reason = liveness()
+            except Exception as exc:
+                # A check that cannot answer cannot vouch for the service either.
+                logger.exception("%s: liveness check failed", name)
+                reason = f"liveness check failed: {exc!r}"
+            if self._stopping is not None or self._fatal_reason is not None:
+                return
+            if (reason is None) == (wedged is None):
+                continue
+            wedged = reason
+            if reason is not None:
+                logger.error("%s cannot serve for now (%s): NOT_SERVING", name, reason)
+                self._gate.close(f"{name} cannot serve for now: {reason}")
+            else:
+                logger.info("%s can serve again: SERVING", name)
+                self._gate.open = True
+            await self._sync_health()
 
     async def stop(self) -> None:
         """Drain and stop (see the module doc). Safe to call twice or concurrently."""
@@ -249,8 +297,9 @@ class RpcServer:
         began = time.monotonic()
         if self._ready_task is not None and not self._ready_task.done():
             self._ready_task.cancel()
-        if self._fatal_task is not None and not self._fatal_task.done():
-            self._fatal_task.cancel()
+        for task in (self._fatal_task, self._liveness_task):
+            if task is not None and not task.done():
+                task.cancel()
         await self.health_servicer.enter_graceful_shutdown()
         self._gate.close(f"{name} is shutting down")
         also = asyncio.create_task(self.spec.on_stop()) if self.spec.on_stop else None

@@ -54,6 +54,9 @@ class WorkerConfig:
     transport_address: str = "127.0.0.1:0"
     # Longest a KV hand-off may take from reservation to verified arrival.
     transfer_timeout_s: float = 30.0
+    # Health is NOT_SERVING while the engine has not finished a step for this long (it is
+    # wedged, not dead), SERVING again once it steps; 0: never. See _HELP for the bound.
+    engine_stall_timeout_s: float = 60.0
     metrics_port: int = 0  # Prometheus metrics over HTTP on this port; 0: off
     log_level: str = "INFO"
     # --- security (rpc.tls, decode_service.prefill_fleet, engine.transfer.fleet_auth) ---
@@ -108,7 +111,11 @@ class WorkerConfig:
                     f"transport_address {self.transport_address!r} is not an address prefill "
                     "workers can dial: give --advertise-host (or a host in --transport-address)"
                 )
-        for name in ("grace_s", "transfer_timeout_s"):
+        for name in (
+            "grace_s",
+            "transfer_timeout_s",
+            "engine_stall_timeout_s",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.log_level not in LOG_LEVELS:
@@ -246,6 +253,7 @@ _FIELDS: dict[str, tuple[Callable[[str], Any], str]] = {
     "transport": (str, "worker"),
     "transport_address": (str, "worker"),
     "transfer_timeout_s": (float, "worker"),
+    "engine_stall_timeout_s": (float, "worker"),
     "advertise_host": (str, "worker"),
     "metrics_port": (int, "worker"),
     "log_level": (str.upper, "worker"),
@@ -290,6 +298,12 @@ _HELP = {
     "shm: segment name",
     "metrics_port": "serve Prometheus metrics on this port; 0: off",
     "transfer_timeout_s": "longest a KV hand-off may take",
+    "engine_stall_timeout_s": "health turns NOT_SERVING (and new calls UNAVAILABLE) while "
+    "the engine has not finished a step for this many seconds, SERVING again once it steps; "
+    "0: never. The engine publishes its stats after every step (every 0.5 s when idle), and "
+    "a step is bounded by --max-num-batched-tokens, so a long prompt only makes more steps, "
+    "never a longer one: a healthy engine stays under the bound unless one step of that many "
+    "tokens takes longer (raise it for a large model on a slow CPU)",
     "log_level": f"one of {', '.join(LOG_LEVELS)}",
     "max_queued_requests": "bound of the engine queue (prefill) and the KV reservation queue "
     "(decode); past it RESOURCE_EXHAUSTED at once; a request inside it waits until it is "

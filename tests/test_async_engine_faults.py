@@ -1,5 +1,6 @@
 """The asyncio face when things go wrong: a command that raises, an engine thread that
-dies, and load read while the engine is busy."""
+dies, one stuck in a step (the stall ``rpc.liveness`` reports), and load read while the
+engine is busy."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 from engine.async_engine import AsyncEngine
 from engine.errors import InternalError, UnavailableError
 from engine.sampling_params import SamplingParams
+from rpc.liveness import EngineStall
 from tests.engine_helpers import make_core
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -160,4 +162,44 @@ async def test_stats_answer_at_once_while_a_step_computes(tiny_llama: Path) -> N
     finally:
         release.set()
         await asyncio.wait_for(task, 60)
+        await engine.shutdown()
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+async def test_a_step_that_blocks_stalls_the_engine_until_it_steps_again(
+    tiny_llama: Path, overlap: bool
+) -> None:
+    """An engine thread stuck in a step is alive but wedged: its snapshot ages past the
+    bound, and the stall clears as soon as it steps again."""
+    engine = AsyncEngine(make_core(tiny_llama, num_blocks=64), overlap=overlap)
+    stall = EngineStall(0.5, lambda: engine.snapshot_age_s)
+    await engine.start()
+    release = threading.Event()
+    entered = threading.Event()
+    real_execute = engine.core.runner._run
+
+    def wedged(sched):  # noqa: ANN001, ANN202
+        if not release.is_set():
+            entered.set()
+            release.wait(30)  # stuck in the step, not dead
+        return real_execute(sched)
+
+    try:
+        await asyncio.sleep(0.8)  # idle: the engine still publishes every half second
+        assert stall.check() is None
+        engine.core.runner._run = wedged  # type: ignore[method-assign]
+        task = asyncio.create_task(_drain(engine, "stuck", list(range(300, 340))))
+        assert await asyncio.to_thread(entered.wait, 10)
+        for _ in range(100):
+            if stall.check() is not None:
+                break
+            await asyncio.sleep(0.05)
+        reason = stall.check()
+        assert reason is not None and "has not finished a step" in reason
+        assert engine.alive
+        release.set()
+        assert len(await asyncio.wait_for(task, 60)) == GREEDY.max_tokens
+        assert stall.check() is None
+    finally:
+        release.set()
         await engine.shutdown()

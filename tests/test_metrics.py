@@ -113,6 +113,18 @@ def test_worker_collector_exposes_every_worker_metric_from_the_snapshot() -> Non
     }
 
 
+def test_a_dead_transfer_thread_shows_on_the_worker_metrics() -> None:
+    up: list[bool | None] = [None]
+    registry = CollectorRegistry()
+    registry.register(WorkerCollector("decode", lambda: None, transfer_up=lambda: up[0]))
+    name = ("baton_kv_transfer_thread_up", (("role", "decode"),))
+    assert name not in samples(registry)  # no receiver (yet): no series
+    up[0] = True
+    assert samples(registry)[name] == 1
+    up[0] = False
+    assert samples(registry)[name] == 0
+
+
 def test_failure_reasons_are_a_small_fixed_set() -> None:
     assert failure_reason(errors.LayoutMismatchError("x")) == "layout_mismatch"
     assert failure_reason(errors.UnavailableError("x")) == "unavailable"
@@ -140,6 +152,15 @@ async def test_sampler_reports_the_busy_share_of_its_window() -> None:
     idle = WorkerSampler(lambda: None)
     await idle.sample()  # an engine still starting: no snapshot, no error
     assert idle.snapshot() is None
+
+
+async def test_sampler_takes_the_engines_snapshot_as_it_is_answered() -> None:
+    """AsyncEngine.stats answers at once (its published snapshot), not an awaitable: the
+    workers' __main__ hands it over like that, and the metrics must still show."""
+    sampler = WorkerSampler(lambda: engine_stats(num_running=7))
+    await sampler.sample()
+    snap = sampler.snapshot()
+    assert snap is not None and snap.engine.num_running == 7
 
 
 def test_engine_counts_prompt_and_generated_tokens(tiny_llama: Path) -> None:

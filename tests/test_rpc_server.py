@@ -242,6 +242,77 @@ async def test_a_fatal_fault_turns_health_not_serving_and_refuses_calls() -> Non
         await server.stop()
 
 
+async def test_health_follows_liveness_both_ways() -> None:
+    """A worker whose engine is stuck in a step reports NOT_SERVING and refuses new calls
+    naming the reason; once it steps again it is SERVING and admits calls again."""
+    reason: list[str | None] = [None]
+    decode, prefill = ToyDecode(), ToyPrefill()
+    spec = dataclasses.replace(
+        toy_spec(decode, prefill), liveness=lambda: reason[0], liveness_interval_s=0.02
+    )
+    server = RpcServer(spec)
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+
+    async def status_is(want: int) -> bool:
+        return all([await health_status(channel, s) == want for s in ("", DECODE, PREFILL)])
+
+    try:
+        await server.wait_ready()
+        assert await status_is(health_pb2.HealthCheckResponse.SERVING)
+        reason[0] = "the engine has not finished a step for 61.0 s"
+        await eventually(lambda: status_is(health_pb2.HealthCheckResponse.NOT_SERVING))
+        err = await stats_error(channel)
+        assert err.code() is grpc.StatusCode.UNAVAILABLE
+        assert "has not finished a step" in err.details()
+        reason[0] = None
+        await eventually(lambda: status_is(health_pb2.HealthCheckResponse.SERVING))
+        stats = await worker_pb2_grpc.DecodeWorkerStub(channel).Stats(
+            worker_pb2.StatsRequest(), timeout=CALL_TIMEOUT
+        )
+        assert stats.incarnation_id == "toy"
+    finally:
+        await channel.close()
+        await server.stop()
+
+
+async def test_liveness_never_revives_a_fatal_fault() -> None:
+    fatal: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+    async def wait_fatal() -> str:
+        return await fatal
+
+    reason: list[str | None] = ["stuck in a step"]
+    decode, prefill = ToyDecode(), ToyPrefill()
+    spec = dataclasses.replace(
+        toy_spec(decode, prefill),
+        fatal=wait_fatal,
+        liveness=lambda: reason[0],
+        liveness_interval_s=0.02,
+    )
+    server = RpcServer(spec)
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    try:
+        await server.wait_ready()
+
+        async def not_serving() -> bool:
+            return await health_status(channel) == health_pb2.HealthCheckResponse.NOT_SERVING
+
+        await eventually(not_serving)
+        fatal.set_result("KV receiver thread died: MemoryError()")
+        await asyncio.sleep(0.1)
+        reason[0] = None  # the engine steps again, but the receiver stays dead
+        await asyncio.sleep(0.2)
+        assert await not_serving()
+        err = await stats_error(channel)
+        assert err.code() is grpc.StatusCode.UNAVAILABLE
+        assert "KV receiver thread died" in err.details()
+    finally:
+        await channel.close()
+        await server.stop()
+
+
 async def test_failed_readiness_stops_serve() -> None:
     async def ready() -> None:
         raise RuntimeError("weights not found")

@@ -44,6 +44,16 @@ def test_bad_values_name_the_flag(argv: list[str], env: dict[str, str], needle: 
         WorkerConfig.from_args("decode", argv, env)
 
 
+def test_the_engine_stall_bound_is_a_flag_with_a_default_that_may_be_off() -> None:
+    assert WorkerConfig.from_args("decode", [], {}).engine_stall_timeout_s == 60.0
+    env = {"BATON_PREFILL_ENGINE_STALL_TIMEOUT_S": "120"}
+    assert WorkerConfig.from_args("prefill", [], env).engine_stall_timeout_s == 120.0
+    argv = ["--engine-stall-timeout-s", "0"]
+    assert WorkerConfig.from_args("decode", argv, {}).engine_stall_timeout_s == 0.0
+    with pytest.raises(ValueError, match="engine_stall_timeout_s"):
+        WorkerConfig.from_args("decode", ["--engine-stall-timeout-s", "-5"], {})
+
+
 def test_panels_are_for_workers_that_decode_unless_told() -> None:
     assert WorkerConfig.from_args("prefill", [], {}).engine.linear_panels is False
     assert WorkerConfig.from_args("decode", [], {}).engine.linear_panels is True

@@ -270,6 +270,14 @@ class KVReceiver(ABC):
         """Drop every connection of that sender incarnation (it restarted or left): its
         pair threads and process groups. Non-blocking; a no-op if unknown."""
 
+    @property
+    def failure(self) -> BaseException | None:
+        """What killed the receiver's worker thread; None while it runs. After a death
+        every lease has ended with ``UnavailableError`` (``poll`` hands the completions
+        out, ``notify`` was called) and ``expect`` raises ``UnavailableError``: the owner
+        must stop serving. Safe from any thread."""
+        return None
+
     @abstractmethod
     def extend(self, request_id: str, deadline: float) -> None:
         """Move the lease's deadline to ``deadline`` if that is later: the peer showed

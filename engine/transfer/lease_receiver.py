@@ -7,6 +7,11 @@ checksum and queue the completion. A backend says how to revoke, how to tell tha
 writers are idle and when the data has arrived. Each lease (granted to ended) and its
 checksum ``verify`` are spans on the ``timeline``'s ``kv receive`` track
 (engine.timeline; OFF unless the owner sets one before the first lease).
+
+If the worker thread dies (anything it raises: EMFILE in a liveness check, an OOM in a
+verify), its last act ends every pending lease with ``UnavailableError``, after the same
+revoke and (bounded, as on ``close``) drain; from then on ``expect`` refuses, ``failure``
+names the cause and ``notify`` has told the owner, who must stop serving.
 """
 
 from __future__ import annotations
@@ -73,6 +78,7 @@ class Lease:
     arrived: bool = False
     busy: bool = False  # a receive thread is writing the blocks right now
     granted_ns: int = 0  # time.perf_counter_ns() of expect(), for the timeline
+    completed: bool = False  # its RecvCompletion is queued (exactly one per lease)
 
     @property
     def ending(self) -> bool:
@@ -106,6 +112,7 @@ class LeaseReceiver(KVReceiver):
         self._staging: Staging | None = None  # made on first verify, on the pool's device
         self._verify_pool: HostPool | None = None  # the CPU pool as bytes; first verify
         self._worker: threading.Thread | None = None
+        self._failure: BaseException | None = None  # what killed the worker thread
 
     def _start_worker(self) -> None:
         """Subclasses call this once the pool exists."""
@@ -139,6 +146,11 @@ class LeaseReceiver(KVReceiver):
             granted_ns=time.perf_counter_ns(),
         )
         with self._cond:
+            if self._failure is not None:
+                raise UnavailableError(
+                    f"request {request_id}: {self.kind} receiver's worker thread died: "
+                    f"{self._failure!r}"
+                )
             if self._closing:
                 raise UnavailableError(f"request {request_id}: {self.kind} receiver is closed")
             if request_id in self._leases:
@@ -178,6 +190,11 @@ class LeaseReceiver(KVReceiver):
 
     def forget_sender(self, sender_incarnation: str) -> None:
         """Senders that write in place (shm, cuda_ipc) leave no state here."""
+
+    @property
+    def failure(self) -> BaseException | None:
+        with self._cond:
+            return self._failure
 
     def extend(self, request_id: str, deadline: float) -> None:
         with self._cond:
@@ -249,7 +266,16 @@ class LeaseReceiver(KVReceiver):
     # -- worker -----------------------------------------------------------------------------
 
     def _run(self) -> None:
-        serial_torch_here()  # leave OpenMP's team to the compute thread
+        # Leases taken out of the table whose completion is not queued yet: should the
+        # thread die among them, ``_die`` still owes each its one completion.
+        finishing: list[Lease] = []
+        try:
+            serial_torch_here()  # leave OpenMP's team to the compute thread
+            self._serve(finishing)
+        except BaseException as exc:  # noqa: BLE001 - reported (failure, notify), never hidden
+            self._die(exc, finishing)
+
+    def _serve(self, finishing: list[Lease]) -> None:
         next_housekeeping = time.monotonic() + _HOUSEKEEPING_S
         while True:
             with self._cond:
@@ -258,11 +284,80 @@ class LeaseReceiver(KVReceiver):
                     if self._closing and not self._leases:
                         return
                     self._cond.wait(timeout)
-            for lease in finished:
-                self._finish(lease)
+            finishing.extend(finished)
+            while finishing:
+                self._finish(finishing[0])
+                finishing.pop(0)
             if time.monotonic() >= next_housekeeping:
                 self._housekeeping()
                 next_housekeeping = time.monotonic() + _HOUSEKEEPING_S
+
+    def _die(self, exc: BaseException, finishing: list[Lease]) -> None:
+        """The dying worker thread's last act: end every pending lease, refuse new ones,
+        tell the owner (``failure``, ``notify``).
+
+        Each lease is revoked and its writers drained as on any ending, but the drain is
+        bounded as on ``close``: nothing here will ever look at the lease again, and a
+        request left without its completion would wait without ever learning why. Every
+        backend hook may fail again (the fault that killed the thread), so a hook that
+        raises counts as "writers not idle yet" until the bound."""
+        logger.critical(
+            "%s receiver %s: worker thread died; failing every pending lease",
+            self.kind,
+            self.incarnation,
+            exc_info=exc,
+        )
+        with self._cond:
+            self._failure = exc
+            # The leases _sweep handed over have left the table: both lists, no overlap.
+            leases = [lease for lease in finishing if not lease.completed]
+            leases += self._leases.values()
+            self._leases.clear()
+            for lease in leases:
+                if lease.outcome is None:  # pending, or verifying when the fault struck
+                    lease.outcome = UnavailableError(
+                        f"request {lease.request_id}: {self.kind} receiver's worker thread "
+                        f"died: {exc!r}"
+                    )
+        deadline = time.monotonic() + min(self.config.drain_s, _CLOSE_DRAIN_S)
+        busy = leases
+        while True:
+            with self._cond:
+                busy = [lease for lease in busy if not self._quiet(lease)]
+            if not busy or time.monotonic() >= deadline:
+                break
+            time.sleep(_QUARANTINE_POLL_S)
+        for lease in busy:
+            logger.error(
+                "request %s: lease ended by the receiver's death although a writer may "
+                "still hold %d of its block(s)",
+                lease.request_id,
+                len(lease.block_ids),
+            )
+        with self._cond:
+            for lease in leases:
+                for block in lease.block_ids:
+                    self._held.pop(block, None)
+                self._done.append(RecvCompletion(lease.request_id, lease.epoch, lease.outcome))
+                lease.completed = True
+            self._cond.notify_all()
+        if self._notify is not None:
+            try:
+                self._notify()
+            except Exception:
+                logger.exception("%s receiver: notify after the worker's death failed", self.kind)
+
+    def _quiet(self, lease: Lease) -> bool:
+        """Revoke ``lease`` if not yet; True once no peer can write its blocks. Called
+        under the lock by ``_die``; a hook that raises answers False."""
+        try:
+            if lease.revoked_at is None:
+                self._revoke(lease)
+                lease.revoked_at = time.monotonic()
+            return self._writers_idle(lease) or self._clear_dead_writers(lease)
+        except Exception:
+            logger.exception("request %s: cannot drain the lease's writers", lease.request_id)
+            return False
 
     def _housekeeping(self) -> None:
         """Backend hook, about once a second on the worker thread, outside the lock:
@@ -341,6 +436,7 @@ class LeaseReceiver(KVReceiver):
             for block in lease.block_ids:
                 self._held.pop(block, None)
             self._done.append(RecvCompletion(lease.request_id, lease.epoch, error))
+            lease.completed = True
         if self.timeline.enabled:
             args: dict[str, object] = {
                 "request_id": lease.request_id,
