@@ -6,7 +6,9 @@ then fails with RESOURCE_EXHAUSTED, which the gateway retries elsewhere), lease 
 the KV inbox, order a prefill worker to fill them, follow its progress beats (each moves
 the lease's deadline), verify the transfer, wait for the lease to end, acknowledge, and
 only then let the request run and release its first token. Until that moment a failure
-is invisible to the client, so the gateway may retry it elsewhere.
+is invisible to the client, so the gateway may retry it elsewhere. With a fleet secret
+the order and the ack are signed, and no event from the prefill worker is acted on
+before its tag checks (PERMISSION_DENIED otherwise).
 
 Bounds: the prefill peer may go ``stall_s`` without a message that shows progress; the
 client's own deadline bounds everything. A stalled peer ends the request with ABORTED
@@ -57,7 +59,8 @@ from engine.transfer.handoff import (
     PrefillOrder,
     Progress,
     TransferDone,
-    done_is_signed,
+    message_is_signed,
+    message_tag,
     order_tag,
 )
 from rpc.tracing import child_context, span
@@ -123,7 +126,7 @@ class DecodeHandoff:
         self._inbox = inbox
         self._limits = limits
         self._open_link = open_link
-        # With a key, orders are signed and a TransferDone must carry the fleet's tag.
+        # With a key, orders and acks are signed and every event must carry the fleet's tag.
         self._fleet_key = fleet_key
         # prefill address -> incarnation of the KV sender seen there last.
         self._senders: dict[str, str] = {}
@@ -160,21 +163,25 @@ class DecodeHandoff:
                     request_id, lease.block_ids, lease.generation, self._limits.stall_s
                 )
                 # The time left is taken now, after the wait for blocks, not when the
-                # request arrived.
-                link = self._open_link(prefill, _remaining(deadline), child_context(wait_span))
-                order = PrefillOrder(request_id, tuple(prompt), params, desc)
+                # request arrived; the order carries it too, signed.
+                remaining = _remaining(deadline)
+                link = self._open_link(prefill, remaining, child_context(wait_span))
+                order = PrefillOrder(request_id, tuple(prompt), params, desc, remaining)
                 if self._fleet_key is not None:
                     order = dataclasses.replace(order, mac=order_tag(self._fleet_key, order))
                 await link.send(order)
-                first = await self._expect(link, FirstToken, request_id, prefill, deadline)
+                first = await self._expect(link, FirstToken, order, prefill, deadline)
                 self._note_sender(prefill, first.sender_incarnation)
-                done = await self._expect(link, TransferDone, request_id, prefill, deadline)
-                self._check_fleet(request_id, prefill, desc.lease_token, done)
+                done = await self._expect(link, TransferDone, order, prefill, deadline)
                 self._inbox.verify(request_id, done.checksum, done.epoch)
                 completion = await self._wait(
                     asyncio.shield(lease_ended), request_id, "verifying the KV", deadline
                 )
-                await link.send(Ack(completion.ok, "" if completion.ok else str(completion.error)))
+                ack = Ack(completion.ok, "" if completion.ok else str(completion.error))
+                if self._fleet_key is not None:
+                    tag = message_tag(self._fleet_key, request_id, desc.lease_token, ack)
+                    ack = dataclasses.replace(ack, mac=tag)
+                await link.send(ack)
                 await link.done_writing()
                 if not completion.ok:
                     assert completion.error is not None
@@ -232,11 +239,13 @@ class DecodeHandoff:
         self,
         link: PrefillLink,
         kind: type[E],
-        rid: str,
+        order: PrefillOrder,
         prefill: str,
         deadline: float | None,
     ) -> E:
-        """The next event of ``kind``, extending the lease on every progress beat."""
+        """The next event of ``kind``, extending the lease on every progress beat; each
+        event's tag is checked before anything is done with it."""
+        rid = order.request_id
         while True:
             event = await self._wait(
                 link.receive(), rid, f"{kind.__name__} from {prefill}", deadline
@@ -245,6 +254,7 @@ class DecodeHandoff:
                 raise AbortedError(
                     f"request {rid}: prefill {prefill} ended the stream before {kind.__name__}"
                 )
+            self._check_fleet(order, prefill, event)
             if isinstance(event, Progress):
                 self._inbox.extend(rid, self._limits.stall_s)
                 continue
@@ -273,12 +283,13 @@ class DecodeHandoff:
                 "the prefill worker is stuck or gone"
             ) from None
 
-    def _check_fleet(self, rid: str, prefill: str, lease_token: int, done: TransferDone) -> None:
-        key = self._fleet_key
-        if key is not None and not done_is_signed(key, rid, lease_token, done):
+    def _check_fleet(self, order: PrefillOrder, prefill: str, event: PrefillEvent) -> None:
+        key, rid = self._fleet_key, order.request_id
+        if key is not None and not message_is_signed(key, rid, order.descriptor.lease_token, event):
             raise PermissionDeniedError(
-                f"request {rid}: prefill {prefill} reported a transfer without the fleet's "
-                "secret; its KV is not used"
+                f"request {rid}: prefill {prefill} sent a {type(event).__name__} without the "
+                "fleet's secret (no tag, or one that does not match every field); its KV is "
+                "not used"
             )
 
     def _note_sender(self, prefill: str, incarnation: str) -> None:
