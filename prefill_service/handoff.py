@@ -117,6 +117,8 @@ class PrefillHandoff:
         self._check(order)
         if order.timeout_s is not None:  # decode's signed bound, when it is the sooner
             remaining = order.timeout_s if remaining is None else min(remaining, order.timeout_s)
+        # Absolute, so that the prefill's own time counts against the copy's budget.
+        deadline = None if remaining is None else time.monotonic() + remaining
         # Only the first token is sampled here; min_tokens still bars an immediate EOS.
         params = dataclasses.replace(
             order.params, max_tokens=1, min_tokens=min(order.params.min_tokens, 1)
@@ -150,7 +152,10 @@ class PrefillHandoff:
                 sender_incarnation=self._outbox.sender.incarnation,
             )
             yield self._signed(order, first)
-            budget = self._limits.stall_s * 10 if remaining is None else remaining
+            if deadline is None:
+                budget = self._limits.stall_s * 10
+            else:
+                budget = max(0.0, deadline - time.monotonic())
             with span(self._tracer, "prefill.transfer", trace_context, request_id=rid) as s:
                 queued_at = time.monotonic()
                 sent = self._outbox.send(rid, out.held_block_ids, order.descriptor, budget)
