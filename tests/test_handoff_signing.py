@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
+import functools
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
@@ -293,8 +294,12 @@ def _wire_changes(root: Message, path: tuple[str | int, ...]) -> list[Callable[[
         do(lambda m: m.ClearField(name))
     if field.message_type is None:
         for other in _other_scalars(field, value):
-            do(lambda m, other=other: setattr(m, name, other))
+            do(functools.partial(_set, name=name, value=other))
     return changes
+
+
+def _set(msg: Message, *, name: str, value: Any) -> None:
+    setattr(msg, name, value)
 
 
 def _other_scalars(field: FieldDescriptor, value: Any) -> list[Any]:
@@ -332,11 +337,12 @@ def test_every_field_of_an_order_on_the_wire_is_under_its_tag() -> None:
 def test_every_field_of_a_stream_message_on_the_wire_is_under_its_tag(index: int) -> None:
     message = _messages()[index]
     wire: Message
+    read: Callable[[Any], HandoffMessage | None]
     if isinstance(message, Ack):
         wire, top, read = ack_to_proto("r1", message), "ack", ack_from_proto
     else:
         wire = prefill_event_to_proto("r1", message)
-        top, read = wire.WhichOneof("message"), prefill_event_from_proto
+        top, read = str(wire.WhichOneof("message")), prefill_event_from_proto
     assert read(wire) == message  # the tag survives the wire
     for path, altered in _wire_alterations(wire, top):
         try:
