@@ -166,7 +166,7 @@ class DecodeHandoff:
                 # request arrived; the order carries it too, signed.
                 remaining = _remaining(deadline)
                 link = self._open_link(prefill, remaining, child_context(wait_span))
-                order = PrefillOrder(request_id, tuple(prompt), params, desc, remaining)
+                order = PrefillOrder(request_id, tuple(prompt), params, desc, timeout_s=remaining)
                 if self._fleet_key is not None:
                     order = dataclasses.replace(order, mac=order_tag(self._fleet_key, order))
                 await link.send(order)
