@@ -6,9 +6,7 @@ then fails with RESOURCE_EXHAUSTED, which the gateway retries elsewhere), lease 
 the KV inbox, order a prefill worker to fill them, follow its progress beats (each moves
 the lease's deadline), verify the transfer, wait for the lease to end, acknowledge, and
 only then let the request run and release its first token. Until that moment a failure
-is invisible to the client, so the gateway may retry it elsewhere. With a fleet secret
-the order and the ack are signed, and no event from the prefill worker is acted on
-before its tag checks (PERMISSION_DENIED otherwise).
+is invisible to the client, so the gateway may retry it elsewhere.
 
 Bounds: the prefill peer may go ``stall_s`` without a message that shows progress; the
 client's own deadline bounds everything. A stalled peer ends the request with ABORTED
@@ -25,6 +23,10 @@ verified and acknowledged: the hand-off; the prefill worker's spans hang under i
 context travelling with the order) and ``decode.decode`` (first token to the stream's
 end). The first output carries the hand-off's timings: ``reserved_s`` here, ``queued_s``,
 ``prefill_s`` and ``transfer_s`` as the prefill worker reported them.
+
+Fleet: with the fleet's secret the order is signed over all its fields, and the stream
+goes through ``FleetLink``, which signs the ack and lets no event of the prefill worker
+through whose tag does not check (PERMISSION_DENIED).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from typing import Protocol, TypeVar
 from opentelemetry import trace
 from opentelemetry.context import Context
 
+from decode_service.fleet_link import FleetLink
 from decode_service.kv_inbox import KVInbox
 from engine.async_engine import AsyncEngine, KVLease
 from engine.errors import (
@@ -59,8 +62,7 @@ from engine.transfer.handoff import (
     PrefillOrder,
     Progress,
     TransferDone,
-    message_is_signed,
-    message_tag,
+    done_is_signed,
     order_tag,
 )
 from rpc.tracing import child_context, span
@@ -126,7 +128,7 @@ class DecodeHandoff:
         self._inbox = inbox
         self._limits = limits
         self._open_link = open_link
-        # With a key, orders and acks are signed and every event must carry the fleet's tag.
+        # With a key, the order and ack are signed and every event must carry the fleet's tag.
         self._fleet_key = fleet_key
         # prefill address -> incarnation of the KV sender seen there last.
         self._senders: dict[str, str] = {}
@@ -166,22 +168,21 @@ class DecodeHandoff:
                 # request arrived; the order carries it too, signed.
                 remaining = _remaining(deadline)
                 link = self._open_link(prefill, remaining, child_context(wait_span))
+                if self._fleet_key is not None:
+                    link = FleetLink(link, self._fleet_key, prefill)
                 order = PrefillOrder(request_id, tuple(prompt), params, desc, timeout_s=remaining)
                 if self._fleet_key is not None:
                     order = dataclasses.replace(order, mac=order_tag(self._fleet_key, order))
                 await link.send(order)
-                first = await self._expect(link, FirstToken, order, prefill, deadline)
+                first = await self._expect(link, FirstToken, request_id, prefill, deadline)
                 self._note_sender(prefill, first.sender_incarnation)
-                done = await self._expect(link, TransferDone, order, prefill, deadline)
+                done = await self._expect(link, TransferDone, request_id, prefill, deadline)
+                self._check_fleet(request_id, prefill, desc.lease_token, done)
                 self._inbox.verify(request_id, done.checksum, done.epoch)
                 completion = await self._wait(
                     asyncio.shield(lease_ended), request_id, "verifying the KV", deadline
                 )
-                ack = Ack(completion.ok, "" if completion.ok else str(completion.error))
-                if self._fleet_key is not None:
-                    tag = message_tag(self._fleet_key, request_id, desc.lease_token, ack)
-                    ack = dataclasses.replace(ack, mac=tag)
-                await link.send(ack)
+                await link.send(Ack(completion.ok, "" if completion.ok else str(completion.error)))
                 await link.done_writing()
                 if not completion.ok:
                     assert completion.error is not None
@@ -239,13 +240,11 @@ class DecodeHandoff:
         self,
         link: PrefillLink,
         kind: type[E],
-        order: PrefillOrder,
+        rid: str,
         prefill: str,
         deadline: float | None,
     ) -> E:
-        """The next event of ``kind``, extending the lease on every progress beat; each
-        event's tag is checked before anything is done with it."""
-        rid = order.request_id
+        """The next event of ``kind``, extending the lease on every progress beat."""
         while True:
             event = await self._wait(
                 link.receive(), rid, f"{kind.__name__} from {prefill}", deadline
@@ -254,7 +253,6 @@ class DecodeHandoff:
                 raise AbortedError(
                     f"request {rid}: prefill {prefill} ended the stream before {kind.__name__}"
                 )
-            self._check_fleet(order, prefill, event)
             if isinstance(event, Progress):
                 self._inbox.extend(rid, self._limits.stall_s)
                 continue
@@ -283,13 +281,12 @@ class DecodeHandoff:
                 "the prefill worker is stuck or gone"
             ) from None
 
-    def _check_fleet(self, order: PrefillOrder, prefill: str, event: PrefillEvent) -> None:
-        key, rid = self._fleet_key, order.request_id
-        if key is not None and not message_is_signed(key, rid, order.descriptor.lease_token, event):
+    def _check_fleet(self, rid: str, prefill: str, lease_token: int, done: TransferDone) -> None:
+        key = self._fleet_key
+        if key is not None and not done_is_signed(key, rid, lease_token, done):
             raise PermissionDeniedError(
-                f"request {rid}: prefill {prefill} sent a {type(event).__name__} without the "
-                "fleet's secret (no tag, or one that does not match every field); its KV is "
-                "not used"
+                f"request {rid}: prefill {prefill} reported a transfer without the fleet's "
+                "secret; its KV is not used"
             )
 
     def _note_sender(self, prefill: str, incarnation: str) -> None:
