@@ -413,7 +413,7 @@ async def test_the_orders_signed_time_limit_bounds_the_prefill_worker(
     await rig.settle()
 
 
-class _FleetLink(ScriptedLink):
+class _SigningPrefill(ScriptedLink):
     """A prefill worker of the fleet: signs every event it sends, and ``tamper`` then
     alters it on the way (a man in the middle)."""
 
@@ -431,10 +431,10 @@ class _FleetLink(ScriptedLink):
 
 
 def _decode_handoff(
-    rig: DecodeRig, links: list[_FleetLink], tamper: Callable[[PrefillEvent], PrefillEvent]
+    rig: DecodeRig, links: list[_SigningPrefill], tamper: Callable[[PrefillEvent], PrefillEvent]
 ) -> DecodeHandoff:
-    def open_link(address: str, remaining: float | None, trace_context: object) -> _FleetLink:
-        links.append(_FleetLink(rig, tamper))
+    def open_link(address: str, remaining: float | None, trace_context: object) -> _SigningPrefill:
+        links.append(_SigningPrefill(rig, tamper))
         return links[-1]
 
     return DecodeHandoff(rig.engine, rig.inbox, HandoffLimits(STALL_S, 1.0), open_link, KEY)
@@ -444,7 +444,7 @@ async def test_decode_acts_on_no_event_altered_after_signing(
     decode_rig: DecodeRig,  # noqa: F811
 ) -> None:
     rig = decode_rig
-    links: list[_FleetLink] = []
+    links: list[_SigningPrefill] = []
 
     def new_sender(event: PrefillEvent) -> PrefillEvent:
         if isinstance(event, FirstToken):
@@ -472,7 +472,7 @@ async def test_decode_signs_the_order_with_its_time_limit_and_the_ack(
     decode_rig: DecodeRig,  # noqa: F811
 ) -> None:
     rig = decode_rig
-    links: list[_FleetLink] = []
+    links: list[_SigningPrefill] = []
     handoff = _decode_handoff(rig, links, lambda event: event)
     deadline = time.monotonic() + 60
     tokens = await _collect(handoff.run("g1", DECODE_PROMPT, DECODE_PARAMS, "p:1", deadline))
