@@ -36,6 +36,10 @@ verified and acknowledged: the hand-off; the prefill worker's spans hang under i
 context travelling with the order) and ``decode.decode`` (first token to the stream's
 end). The first output carries the hand-off's timings: ``reserved_s`` here, ``queued_s``,
 ``prefill_s`` and ``transfer_s`` as the prefill worker reported them.
+
+Fleet: with the fleet's secret the order is signed over all its fields, and the stream
+goes through ``FleetLink``, which signs the ack and lets no event of the prefill worker
+through whose tag does not check (PERMISSION_DENIED).
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from typing import Protocol, TypeVar
 from opentelemetry import trace
 from opentelemetry.context import Context
 
+from decode_service.fleet_link import FleetLink
 from decode_service.kv_inbox import KVInbox
 from decode_service.prefill_peers import PrefillPeers
 from engine.async_engine import AsyncEngine, KVLease
@@ -136,7 +141,7 @@ class DecodeHandoff:
         self._inbox = inbox
         self._limits = limits
         self._open_link = open_link
-        # With a key, orders are signed and a TransferDone must carry the fleet's tag.
+        # With a key, the order and ack are signed and every event must carry the fleet's tag.
         self._fleet_key = fleet_key
         # The prefill workers dialled, by address and by sender incarnation.
         self._peers = peers if peers is not None else PrefillPeers(inbox.forget_sender)
@@ -174,9 +179,12 @@ class DecodeHandoff:
                     request_id, lease.block_ids, lease.generation, self._limits.stall_s
                 )
                 # The time left is taken now, after the wait for blocks, not when the
-                # request arrived.
-                link = self._open_link(prefill, _remaining(deadline), child_context(wait_span))
-                order = PrefillOrder(request_id, tuple(prompt), params, desc)
+                # request arrived; the order carries it too, signed.
+                remaining = _remaining(deadline)
+                link = self._open_link(prefill, remaining, child_context(wait_span))
+                if self._fleet_key is not None:
+                    link = FleetLink(link, self._fleet_key, prefill)
+                order = PrefillOrder(request_id, tuple(prompt), params, desc, timeout_s=remaining)
                 if self._fleet_key is not None:
                     order = dataclasses.replace(order, mac=order_tag(self._fleet_key, order))
                 await link.send(order)

@@ -10,6 +10,10 @@ Source blocks are freed on the ack, on any failure, or when decode goes away, bu
 while the sender may still read them. Tested without gRPC: events come out of ``run``
 and acks go in as an async iterator.
 
+With a fleet secret an order runs only when its tag checks, every event going out is
+signed, and an ack must be signed too (PERMISSION_DENIED otherwise). The order's
+``timeout_s`` (signed) bounds the request as the call's deadline does.
+
 Traces and timings: under the caller's trace context (decode's ``decode.wait_kv``), the
 spans ``prefill.queue`` (waiting for the engine's first step of the request),
 ``prefill.prefill`` (that step to the first token; both measured by the engine thread
@@ -25,7 +29,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -44,18 +48,22 @@ from engine.transfer.fleet_auth import FleetKey
 from engine.transfer.handoff import (
     Ack,
     FirstToken,
+    HandoffMessage,
     Phase,
     PrefillEvent,
     PrefillOrder,
     Progress,
     TransferDone,
-    done_tag,
+    message_is_signed,
+    message_tag,
     order_is_signed,
 )
 from prefill_service.kv_outbox import KVOutbox
 from rpc.tracing import record_span, span
 
 logger = logging.getLogger(__name__)
+
+_E = TypeVar("_E", bound=HandoffMessage)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +95,7 @@ class PrefillHandoff:
         self._outbox = outbox
         self._layout = layout
         self._limits = limits
-        # With a key, an order must carry the fleet's tag and TransferDone carries ours.
+        # With a key, an order and an ack must carry the fleet's tag, and every event ours.
         self._fleet_key = fleet_key
         self._cleanups: set[asyncio.Task[None]] = set()
         # Hand-offs started and not yet acknowledged or failed (SIGTERM waits for them).
@@ -107,6 +115,10 @@ class PrefillHandoff:
         rid = order.request_id
         clock = _SpanClock()
         self._check(order)
+        if order.timeout_s is not None:  # decode's signed bound, when it is the sooner
+            remaining = order.timeout_s if remaining is None else min(remaining, order.timeout_s)
+        # Absolute, so that the prefill's own time counts against the copy's budget.
+        deadline = None if remaining is None else time.monotonic() + remaining
         # Only the first token is sampled here; min_tokens still bars an immediate EOS.
         params = dataclasses.replace(
             order.params, max_tokens=1, min_tokens=min(order.params.min_tokens, 1)
@@ -123,7 +135,7 @@ class PrefillHandoff:
                 async for beat in self._beats(
                     prefill, rid, Phase.PREFILLING, len(order.prompt_token_ids)
                 ):
-                    yield beat
+                    yield self._signed(order, beat)
                 out = prefill.result()
                 if out.finish_reason is FinishReason.ABORT:
                     raise CancelledError(f"request {rid} was aborted during prefill")
@@ -133,20 +145,24 @@ class PrefillHandoff:
             engine_timings = out.timings or RequestTimings()
             self._prefill_spans(trace_context, rid, clock, engine_timings, None)
             assert out.held_block_ids is not None and len(out.new_token_ids) == 1
-            yield FirstToken(
+            first = FirstToken(
                 token_id=out.new_token_ids[0],
                 logprob=out.logprobs[0] if out.logprobs else None,
                 num_cached_tokens=out.num_cached_tokens,
                 sender_incarnation=self._outbox.sender.incarnation,
             )
-            budget = self._limits.stall_s * 10 if remaining is None else remaining
+            yield self._signed(order, first)
+            if deadline is None:
+                budget = self._limits.stall_s * 10
+            else:
+                budget = max(0.0, deadline - time.monotonic())
             with span(self._tracer, "prefill.transfer", trace_context, request_id=rid) as s:
                 queued_at = time.monotonic()
                 sent = self._outbox.send(rid, out.held_block_ids, order.descriptor, budget)
                 async for beat in self._beats(
                     sent, rid, Phase.TRANSFERRING, len(order.prompt_token_ids)
                 ):
-                    yield beat
+                    yield self._signed(order, beat)
                 completion = sent.result()
                 transfer_s = time.monotonic() - queued_at
                 s.set_attribute("baton.kv_bytes", completion.num_bytes)
@@ -162,10 +178,7 @@ class PrefillHandoff:
             done = TransferDone(
                 completion.checksum, completion.epoch, completion.num_bytes, timings=timings
             )
-            if self._fleet_key is not None:
-                tag = done_tag(self._fleet_key, rid, order.descriptor.lease_token, done)
-                done = dataclasses.replace(done, mac=tag)
-            yield done
+            yield self._signed(order, done)
             try:
                 ack = await asyncio.wait_for(anext(acks, None), self._limits.stall_s)
             except TimeoutError:
@@ -174,6 +187,14 @@ class PrefillHandoff:
                 ) from None
             if ack is None:
                 raise AbortedError(f"request {rid}: decode closed the stream without an ack")
+            key = self._fleet_key
+            if key is not None and not message_is_signed(
+                key, rid, order.descriptor.lease_token, ack
+            ):
+                raise PermissionDeniedError(
+                    f"request {rid}: the ack does not carry the fleet's secret; "
+                    "only the decode worker that ordered the prefill may acknowledge it"
+                )
             if not ack.ok:
                 logger.warning("request %s: decode refused the transfer: %s", rid, ack.reason)
         finally:
@@ -217,6 +238,13 @@ class PrefillHandoff:
         )
         record_span(self._tracer, "prefill.prefill", parent, scheduled, end, request_id=rid)
 
+    def _signed(self, order: PrefillOrder, event: _E) -> _E:
+        """``event`` with the fleet's tag for ``order``'s lease (as is without a key)."""
+        if self._fleet_key is None:
+            return event
+        tag = message_tag(self._fleet_key, order.request_id, order.descriptor.lease_token, event)
+        return dataclasses.replace(event, mac=tag)
+
     async def close(self, timeout_s: float) -> None:
         if self._cleanups:
             await asyncio.wait(self._cleanups, timeout=timeout_s)
@@ -224,8 +252,9 @@ class PrefillHandoff:
     def _check(self, order: PrefillOrder) -> None:
         if self._fleet_key is not None and not order_is_signed(self._fleet_key, order):
             raise PermissionDeniedError(
-                f"request {order.request_id}: the order does not carry the fleet's secret; "
-                "only decode workers of this fleet may order a prefill"
+                f"request {order.request_id}: the order does not carry the fleet's secret "
+                "(no tag, or one that does not match every field); only decode workers of "
+                "this fleet may order a prefill"
             )
         desc = order.descriptor
         mismatch = self._layout.mismatch(desc.endpoint.layout)

@@ -1,8 +1,16 @@
 """The hand-off part of the proto/domain mapping: ``Prefill`` stream messages <->
 ``engine.transfer.handoff`` records. Reading validates and names the field, like
-``rpc.convert`` (which maps everything else)."""
+``rpc.convert`` (which maps everything else).
+
+Fleet tags (``fleet_mac``) are carried, never checked, here: they are over the records,
+so the services check them on what they read. The few proto fields a reader ignores
+(the echoed ``request_id`` of TransferComplete and TransferAck, FirstToken's
+``finish_reason``) are outside every tag, and nothing acts on them.
+"""
 
 from __future__ import annotations
+
+import math
 
 from engine.transfer.handoff import (
     Ack,
@@ -34,15 +42,16 @@ _PHASE_FROM_PROTO = {v: k for k, v in _PHASE_TO_PROTO.items()}
 
 
 def prefill_order_to_proto(order: PrefillOrder) -> worker_pb2.PrefillClientMessage:
-    return worker_pb2.PrefillClientMessage(
-        request=worker_pb2.PrefillRequest(
-            request_id=order.request_id,
-            prompt_token_ids=order.prompt_token_ids,
-            sampling_params=sampling_params_to_proto(order.params),
-            kv=kv_descriptor_to_proto(order.descriptor),
-            fleet_mac=order.mac,
-        )
+    req = worker_pb2.PrefillRequest(
+        request_id=order.request_id,
+        prompt_token_ids=order.prompt_token_ids,
+        sampling_params=sampling_params_to_proto(order.params),
+        kv=kv_descriptor_to_proto(order.descriptor),
+        fleet_mac=order.mac,
     )
+    if order.timeout_s is not None:
+        req.timeout_s = order.timeout_s
+    return worker_pb2.PrefillClientMessage(request=req)
 
 
 def prefill_order_from_proto(
@@ -76,11 +85,15 @@ def prefill_order_from_proto(
         raise ValueError(
             f"request.kv.request_id {desc.request_id!r} != request.request_id {req.request_id!r}"
         )
+    timeout_s = req.timeout_s if req.HasField("timeout_s") else None
+    if timeout_s is not None and not (math.isfinite(timeout_s) and timeout_s >= 0):
+        raise ValueError(f"request.timeout_s must be a finite number >= 0, got {timeout_s}")
     return PrefillOrder(
         request_id=req.request_id,
         prompt_token_ids=tuple(req.prompt_token_ids),
         params=sampling_params_from_proto(req.sampling_params, path="request.sampling_params"),
         descriptor=desc,
+        timeout_s=timeout_s,
         mac=req.fleet_mac,
     )
 
@@ -89,7 +102,9 @@ def prefill_event_to_proto(request_id: str, event: PrefillEvent) -> worker_pb2.P
     if isinstance(event, Progress):
         return worker_pb2.PrefillServerMessage(
             progress=worker_pb2.PrefillProgress(
-                phase=_PHASE_TO_PROTO[event.phase], num_computed_tokens=event.num_computed_tokens
+                phase=_PHASE_TO_PROTO[event.phase],
+                num_computed_tokens=event.num_computed_tokens,
+                fleet_mac=event.mac,
             )
         )
     if isinstance(event, FirstToken):
@@ -97,6 +112,7 @@ def prefill_event_to_proto(request_id: str, event: PrefillEvent) -> worker_pb2.P
             token_id=event.token_id,
             num_cached_tokens=event.num_cached_tokens,
             sender_incarnation_id=event.sender_incarnation,
+            fleet_mac=event.mac,
         )
         if event.logprob is not None:
             first.logprob.CopyFrom(token_logprob_to_proto(event.logprob))
@@ -121,7 +137,7 @@ def prefill_event_from_proto(msg: worker_pb2.PrefillServerMessage) -> PrefillEve
         phase = _PHASE_FROM_PROTO.get(msg.progress.phase)
         if phase is None:
             raise ValueError(f"progress.phase {msg.progress.phase!r} is not a known phase")
-        return Progress(phase, msg.progress.num_computed_tokens)
+        return Progress(phase, msg.progress.num_computed_tokens, msg.progress.fleet_mac)
     if which == "first_token":
         first = msg.first_token
         logprob = token_logprob_from_proto(first.logprob) if first.HasField("logprob") else None
@@ -130,6 +146,7 @@ def prefill_event_from_proto(msg: worker_pb2.PrefillServerMessage) -> PrefillEve
             logprob=logprob,
             num_cached_tokens=first.num_cached_tokens,
             sender_incarnation=first.sender_incarnation_id,
+            mac=first.fleet_mac,
         )
     if which == "transfer_complete":
         done = msg.transfer_complete
@@ -144,7 +161,9 @@ def prefill_event_from_proto(msg: worker_pb2.PrefillServerMessage) -> PrefillEve
 
 def ack_to_proto(request_id: str, ack: Ack) -> worker_pb2.PrefillClientMessage:
     return worker_pb2.PrefillClientMessage(
-        ack=worker_pb2.TransferAck(request_id=request_id, ok=ack.ok, reason=ack.reason)
+        ack=worker_pb2.TransferAck(
+            request_id=request_id, ok=ack.ok, reason=ack.reason, fleet_mac=ack.mac
+        )
     )
 
 
@@ -152,4 +171,4 @@ def ack_from_proto(msg: worker_pb2.PrefillClientMessage | None) -> Ack | None:
     """The decode worker's verdict, or None when it ended the stream without one."""
     if msg is None or msg.WhichOneof("message") != "ack":
         return None
-    return Ack(msg.ack.ok, msg.ack.reason)
+    return Ack(msg.ack.ok, msg.ack.reason, msg.ack.fleet_mac)

@@ -31,6 +31,7 @@ from engine.transfer.handoff import (
     Progress,
     TransferDone,
     done_is_signed,
+    message_tag,
     order_tag,
 )
 from prefill_service.handoff import PrefillHandoff, PrefillLimits
@@ -244,7 +245,9 @@ async def test_with_a_fleet_secret_only_signed_orders_run(rig: Rig) -> None:
     rig.receiver.poll()
     order = rig.order("s2")
     signed = dataclasses.replace(order, mac=order_tag(key, order))
-    events = [e async for e in handoff.run(signed, _acks(Ack(True)), None)]
+    ack = Ack(True)
+    ack = dataclasses.replace(ack, mac=message_tag(key, "s2", order.descriptor.lease_token, ack))
+    events = [e async for e in handoff.run(signed, _acks(ack), None)]
     done = next(e for e in events if isinstance(e, TransferDone))
     assert done_is_signed(key, "s2", order.descriptor.lease_token, done)
     await rig.settle()

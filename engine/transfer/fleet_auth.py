@@ -5,9 +5,12 @@ hand-off, including over channels TLS does not cover (the gloo/nccl rendezvous s
 plain TCP key-value store anyone who reaches it can write). Every message that commits a
 peer to act carries an HMAC-SHA256 tag under the secret, over what it commits to:
 
-- ``PrefillOrder`` (decode -> prefill): request id, prompt, and the lease it names, so a
-  prefill worker writes KV only where a decode worker of the fleet asked;
-- ``TransferDone`` (prefill -> decode): request id, lease, checksum and size, so a decode
+- every message of a ``Prefill`` stream (``engine.transfer.handoff``), over all of its
+  fields (``engine.transfer.canonical``): the order (decode -> prefill: request id,
+  prompt, sampling parameters, time limit and the whole KV descriptor), so a prefill
+  worker runs only what a decode worker of the fleet asked and writes KV only where it
+  asked; progress beats, the first token and the transfer report (prefill -> decode) and
+  the ack (decode -> prefill), each bound to the request and its lease, so a decode
   worker runs only KV a prefill worker of the fleet vouched for;
 - the gloo/nccl hello (sender -> receiver's store): the receiver incarnation, the hello
   number and the hello itself, so only the fleet's senders get a pair group;

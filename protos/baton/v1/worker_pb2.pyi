@@ -32,28 +32,32 @@ WORKER_ROLE_DECODE: WorkerRole
 WORKER_ROLE_BOTH: WorkerRole
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "kv", "fleet_mac")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "kv", "fleet_mac", "timeout_s")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
     FLEET_MAC_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: _common_pb2.SamplingParameters
     kv: _kv_pb2.KVDescriptor
     fleet_mac: bytes
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParameters, _Mapping]] = ..., kv: _Optional[_Union[_kv_pb2.KVDescriptor, _Mapping]] = ..., fleet_mac: _Optional[bytes] = ...) -> None: ...
+    timeout_s: float
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParameters, _Mapping]] = ..., kv: _Optional[_Union[_kv_pb2.KVDescriptor, _Mapping]] = ..., fleet_mac: _Optional[bytes] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class TransferAck(_message.Message):
-    __slots__ = ("request_id", "ok", "reason")
+    __slots__ = ("request_id", "ok", "reason", "fleet_mac")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    FLEET_MAC_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     ok: bool
     reason: str
-    def __init__(self, request_id: _Optional[str] = ..., ok: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+    fleet_mac: bytes
+    def __init__(self, request_id: _Optional[str] = ..., ok: _Optional[bool] = ..., reason: _Optional[str] = ..., fleet_mac: _Optional[bytes] = ...) -> None: ...
 
 class PrefillClientMessage(_message.Message):
     __slots__ = ("request", "ack")
@@ -64,26 +68,30 @@ class PrefillClientMessage(_message.Message):
     def __init__(self, request: _Optional[_Union[PrefillRequest, _Mapping]] = ..., ack: _Optional[_Union[TransferAck, _Mapping]] = ...) -> None: ...
 
 class FirstToken(_message.Message):
-    __slots__ = ("token_id", "logprob", "num_cached_tokens", "finish_reason", "sender_incarnation_id")
+    __slots__ = ("token_id", "logprob", "num_cached_tokens", "finish_reason", "sender_incarnation_id", "fleet_mac")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     SENDER_INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
+    FLEET_MAC_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     logprob: _common_pb2.TokenLogprob
     num_cached_tokens: int
     finish_reason: _common_pb2.FinishReason
     sender_incarnation_id: str
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., sender_incarnation_id: _Optional[str] = ...) -> None: ...
+    fleet_mac: bytes
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., sender_incarnation_id: _Optional[str] = ..., fleet_mac: _Optional[bytes] = ...) -> None: ...
 
 class PrefillProgress(_message.Message):
-    __slots__ = ("phase", "num_computed_tokens")
+    __slots__ = ("phase", "num_computed_tokens", "fleet_mac")
     PHASE_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FLEET_MAC_FIELD_NUMBER: _ClassVar[int]
     phase: PrefillPhase
     num_computed_tokens: int
-    def __init__(self, phase: _Optional[_Union[PrefillPhase, str]] = ..., num_computed_tokens: _Optional[int] = ...) -> None: ...
+    fleet_mac: bytes
+    def __init__(self, phase: _Optional[_Union[PrefillPhase, str]] = ..., num_computed_tokens: _Optional[int] = ..., fleet_mac: _Optional[bytes] = ...) -> None: ...
 
 class TransferComplete(_message.Message):
     __slots__ = ("request_id", "checksum", "epoch", "num_bytes", "fleet_mac", "timings")
