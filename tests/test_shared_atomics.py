@@ -1,0 +1,110 @@
+"""The seq_cst atomics the shm and cuda_ipc lease tables rest on (``shared_atomics``):
+what they do, that they are atomic across processes, that the tables use nothing else,
+and that a CPU without them is refused."""
+
+from __future__ import annotations
+
+import ctypes.util
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from engine.transfer import shared_atomics, shm
+from engine.transfer.factory import make_receiver, make_sender
+from engine.transfer.shared_atomics import AtomicOps, AtomicWords, atomic_ops
+from tests.transfer_peer import REPO, SMALL_GROUPS, random_pool, small_layout
+
+
+def _deadline(seconds: float = 30.0) -> float:
+    return time.monotonic() + seconds
+
+
+def _sources() -> list[str]:
+    names = ["x86-64 built-in"] if atomic_ops().source == "x86-64 built-in" else []
+    if ctypes.util.find_library("atomic") is not None:
+        names.append("libatomic")
+    return names
+
+
+@pytest.mark.parametrize("source", _sources())
+def test_atomic_words_swap_load_and_store(source: str) -> None:
+    make = dict(shared_atomics._sources())[source]
+    ops: AtomicOps = make()
+    table = np.zeros(4, dtype=np.int64)
+    words = AtomicWords(table, ops)
+    words.store(1, -5)
+    assert words.load(1) == -5 and table[1] == -5
+    assert words.cas(1, 0, 9) == -5 and table[1] == -5  # expected 0: no swap
+    assert words.cas(1, -5, 9) == -5 and table[1] == 9
+    big = (1 << 63) - 1
+    assert words.cas(2, 0, big) == 0 and words.load(2) == big
+    assert words.all_equal((1,), 9) and not words.all_equal((1, 2), 9)
+    with pytest.raises(IndexError):
+        words.load(4)
+    with pytest.raises(IndexError):
+        words.cas(-1, 0, 1)
+
+
+_CONTENDER = """
+import sys, mmap, numpy as np
+from engine.transfer.shared_atomics import AtomicWords
+with open(sys.argv[1], "r+b") as f:
+    words = AtomicWords(np.frombuffer(mmap.mmap(f.fileno(), 8), dtype=np.int64))
+for _ in range(int(sys.argv[2])):
+    while True:
+        old = words.load(0)
+        if words.cas(0, old, old + 1) == old:
+            break
+"""
+
+
+def test_compare_and_swap_is_atomic_across_processes(tmp_path: object) -> None:
+    """Two processes add to one shared word by compare-and-swap: no increment is lost."""
+    path = f"{tmp_path}/word"
+    with open(path, "wb") as f:
+        f.write(bytes(8))
+    n = 20000
+    env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _CONTENDER, path, str(n)], env=env)
+        for _ in range(2)
+    ]
+    for proc in procs:
+        assert proc.wait(120) == 0
+    with open(path, "rb") as f:
+        assert int.from_bytes(f.read(8), "little", signed=True) == 2 * n
+
+
+def test_lease_tables_are_only_reached_through_the_atomics() -> None:
+    layout = small_layout()
+    receiver = make_receiver("shm", layout, 8, config=SMALL_GROUPS)
+    try:
+        segment = receiver._segment  # type: ignore[attr-defined]
+        assert isinstance(segment.owner, AtomicWords) and isinstance(segment.claim, AtomicWords)
+        lease = receiver.expect("r", (2, 5), 1, _deadline())
+        assert segment.owner.load(2) == segment.owner.load(5) == lease.lease_token
+        # No lock round trip stands in for a barrier any more.
+        assert not hasattr(shm, "full_barrier")
+    finally:
+        receiver.close()
+
+
+def test_shm_refuses_a_cpu_without_atomics(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU without the built-in atomics and without libatomic, shm (and cuda_ipc by
+    the same code) refuses to start, saying why, instead of racing on plain stores."""
+    monkeypatch.setattr(shared_atomics.platform, "machine", lambda: "aarch64")
+    monkeypatch.setattr(shared_atomics.ctypes.util, "find_library", lambda name: None)
+    atomic_ops.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match="shm transport cannot run here.*aarch64.*libatomic"):
+            make_receiver("shm", small_layout(), 8)
+        pool = random_pool(small_layout(), 8, seed=1)
+        with pytest.raises(RuntimeError, match="shm transport cannot run here"):
+            make_sender("shm", pool, small_layout())
+    finally:
+        monkeypatch.undo()
+        atomic_ops.cache_clear()
+    assert atomic_ops().source  # the real ones are back for the tests that follow
