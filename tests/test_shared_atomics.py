@@ -41,11 +41,32 @@ def test_atomic_words_swap_load_and_store(source: str) -> None:
     assert words.cas(1, -5, 9) == -5 and table[1] == 9
     big = (1 << 63) - 1
     assert words.cas(2, 0, big) == 0 and words.load(2) == big
-    assert words.all_equal((1,), 9) and not words.all_equal((1, 2), 9)
     with pytest.raises(IndexError):
         words.load(4)
     with pytest.raises(IndexError):
         words.cas(-1, 0, 1)
+
+
+@pytest.mark.parametrize("source", _sources())
+def test_bulk_forms_act_on_the_listed_words_in_order(source: str) -> None:
+    ops: AtomicOps = dict(shared_atomics._sources())[source]()
+    table = np.zeros(8, dtype=np.int64)
+    words = AtomicWords(table, ops)
+    index = words.index((5, 1, 6, 2))
+    words.store_all(index, 3)
+    assert table.tolist() == [0, 3, 3, 0, 0, 3, 3, 0]
+    assert words.all_equal(index, 3) and not words.all_equal(words.index((0, 1)), 3)
+    table[6] = 4  # the third word no longer holds what a swap expects
+    assert words.cas_prefix(index, 3, 7) == 2 and table.tolist() == [0, 7, 3, 0, 0, 7, 4, 0]
+    assert words.cas_prefix(index, 3, 8, start=3) == 1 and table[2] == 8
+    assert words.cas_prefix(index, 7, 0, start=0, end=1) == 1 and table[5] == 0 and table[1] == 7
+    assert words.all_equal(words.index(()), 1)  # nothing to check: vacuously true
+    with pytest.raises(IndexError):
+        words.index((3, 8))
+    with pytest.raises(IndexError):
+        AtomicWords(np.zeros(4, dtype=np.int64), ops).all_equal(index, 0)  # checked for 8
+    with pytest.raises(IndexError):
+        words.cas_prefix(index, 0, 1, start=3, end=5)
 
 
 _CONTENDER = """

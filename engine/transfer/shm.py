@@ -49,7 +49,7 @@ from engine.transfer.block_copy import (
 )
 from engine.transfer.lease_receiver import Lease, LeaseReceiver
 from engine.transfer.queued_sender import PeerLink, QueuedSender, StopCheck
-from engine.transfer.shared_atomics import AtomicWords, atomic_ops
+from engine.transfer.shared_atomics import AtomicWords, WordIndex, atomic_ops
 from engine.transfer.writer_liveness import WriterLock, writer_alive
 
 logger = logging.getLogger(__name__)
@@ -298,17 +298,18 @@ class ShmReceiver(LeaseReceiver):
         return self._endpoint
 
     def _arm(self, lease: Lease) -> None:
-        for block in lease.block_ids:
-            self._segment.owner.store(block, lease.token)
+        owner = self._segment.owner
+        owner.store_all(owner.index(lease.block_ids), lease.token)
 
     def _revoke(self, lease: Lease) -> None:
-        for block in lease.block_ids:
-            self._segment.owner.store(block, 0)
+        owner = self._segment.owner
+        owner.store_all(owner.index(lease.block_ids), 0)
 
     def _writers_idle(self, lease: Lease) -> bool:
         # Any claim counts, whatever lease its sender holds: a stale sender that claimed
         # before reading ``owner`` again has not yet seen that the blocks are not its own.
-        return self._segment.claim.all_equal(lease.block_ids, 0)
+        claim = self._segment.claim
+        return claim.all_equal(claim.index(lease.block_ids), 0)
 
     def _clear_dead_writers(self, lease: Lease) -> bool:
         claim = self._segment.claim
@@ -372,19 +373,20 @@ class ShmLink(PeerLink):
         per_group = layers_per_group(self._layout, n, self._config.group_bytes)
         checksum = KVChecksum()
         nbytes = 0
-        self._claim(job)
+        blocks = self._segment.claim.index(desc.block_ids)
+        self._claim(job, blocks)
         try:
             for group, (lo, hi) in enumerate(layer_groups(self._layout.num_layers, per_group)):
                 stop(group)
-                self._check_lease(job, desc.block_ids)
+                self._check_lease(job, blocks)
                 nbytes += self._copy_group(group, lo, hi, src, dst, checksum)
             self._quiesce()
             return checksum.value, nbytes
         finally:
             self._quiesce()  # nothing may still be in flight once the claims are gone
-            self._release(desc.block_ids)
+            self._release(blocks, len(blocks))
 
-    def _claim(self, job: SendJob) -> None:
+    def _claim(self, job: SendJob, blocks: WordIndex) -> None:
         """Claim every destination block for this sender, or (raising) none.
 
         A block is claimed only while its lease is ours: a stale sender, whose lease
@@ -393,34 +395,35 @@ class ShmLink(PeerLink):
         reads ``owner``), so it is waited for, within the stall bound.
         """
         claim = self._segment.claim
-        blocks = job.descriptor.block_ids
-        held: list[int] = []
+        held = 0  # blocks[:held] are ours
         give_up = min(job.deadline, time.monotonic() + self._config.stall_timeout_s)
         try:
-            for block in blocks:
-                while True:
-                    self._check_lease(job, (block,))
-                    other = claim.cas(block, 0, self._writer)
-                    if other == 0:
-                        held.append(block)
-                        break
-                    if time.monotonic() > give_up:
-                        raise AbortedError(
-                            f"request {job.request_id}: destination block {block} stayed "
-                            f"claimed by sender {other:#x}; nothing written"
-                        )
-                    time.sleep(_CLAIM_RETRY_S)
+            while True:
+                self._check_lease(job, blocks)
+                held += claim.cas_prefix(blocks, 0, self._writer, start=held)
+                if held == len(blocks):
+                    break
+                if time.monotonic() > give_up:
+                    block = int(blocks.array[held])
+                    raise AbortedError(
+                        f"request {job.request_id}: destination block {block} stayed "
+                        f"claimed by sender {claim.load(block):#x}; nothing written"
+                    )
+                time.sleep(_CLAIM_RETRY_S)
             # The claims are stored before ``owner`` is read again (all seq_cst): a
             # receiver that revoked the lease before this read sees them and waits.
             self._check_lease(job, blocks)
         except BaseException:
-            self._release(held)
+            self._release(blocks, held)
             raise
 
-    def _release(self, blocks: tuple[int, ...] | list[int]) -> None:
-        """Give back our claims; a block claimed by anyone else is left alone."""
-        for block in blocks:
-            self._segment.claim.cas(block, self._writer, 0)
+    def _release(self, blocks: WordIndex, held: int) -> None:
+        """Give back our claims on ``blocks[:held]``; one that is not ours (any more) is
+        left alone."""
+        claim = self._segment.claim
+        start = 0
+        while start < held:
+            start += claim.cas_prefix(blocks, self._writer, 0, start=start, end=held) + 1
 
     def _copy_group(
         self, group: int, lo: int, hi: int, src: BlockIndex, dst: BlockIndex, checksum: KVChecksum
@@ -432,7 +435,7 @@ class ShmLink(PeerLink):
     def _quiesce(self) -> None:
         """Block until every copy issued so far has landed (CPU copies already have)."""
 
-    def _check_lease(self, job: SendJob, dst: tuple[int, ...]) -> None:
+    def _check_lease(self, job: SendJob, dst: WordIndex) -> None:
         if self._segment.closed:
             self.broken = True
             raise UnavailableError(
