@@ -126,20 +126,27 @@ def test_writer_liveness_follows_the_lock() -> None:
     assert not writer_alive(0)
 
 
-_HOLD_A_LOCK = """
-import os, sys, time
-from engine.transfer.writer_liveness import WriterLock
-lock = WriterLock(os.urandom(16).hex())
-print(lock.id, flush=True)
+_RUN_A_SENDER = """
+import sys, time
+from engine.transfer.factory import make_sender
+from engine.transfer.writer_liveness import writer_id
+from tests.transfer_peer import random_pool, small_layout
+sender = make_sender("shm", random_pool(small_layout(), 4, seed=1), small_layout())
+print(writer_id(sender.incarnation), flush=True)
 if sys.argv[1] == "stay":
     time.sleep(3600)
-"""  # "exit": ends without calling close
+"""  # "exit": ends without closing the sender
 
 
-def _lock_holder(mode: str) -> tuple[subprocess.Popen[str], str]:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+def _sender_process(mode: str) -> tuple[subprocess.Popen[str], str]:
+    """A process with an shm sender, and the path of the sender's lock file."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     proc = subprocess.Popen(
-        [sys.executable, "-c", _HOLD_A_LOCK, mode], env=env, text=True, stdout=subprocess.PIPE
+        [sys.executable, "-c", _RUN_A_SENDER, mode],
+        cwd=REPO,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
     )
     assert proc.stdout is not None
     return proc, _lock_path(int(proc.stdout.readline()))
@@ -149,8 +156,8 @@ def _lock_path(wid: int) -> str:
     return f"/dev/shm/baton_tx_{wid:016x}"
 
 
-def test_writer_lock_file_goes_when_its_process_exits() -> None:
-    proc, path = _lock_holder("exit")
+def test_sender_lock_file_goes_when_its_process_exits() -> None:
+    proc, path = _sender_process("exit")
     try:
         assert proc.wait(30) == 0
         assert not os.path.exists(path)
@@ -164,14 +171,14 @@ def test_writer_lock_file_goes_when_its_process_exits() -> None:
 def test_stale_writer_lock_files_are_swept_when_a_sender_starts() -> None:
     """A sender killed outright leaves its lock file; the next sender to start removes
     it, and leaves alone the files that live senders hold."""
-    stale, stale_path = _lock_holder("stay")
+    stale, stale_path = _sender_process("stay")
     live = WriterLock(os.urandom(16).hex())
     try:
         os.kill(stale.pid, signal.SIGKILL)
         stale.wait(10)
         assert os.path.exists(stale_path)
-        fresh = WriterLock(os.urandom(16).hex())
-        fresh.close()
+        layout = small_layout()
+        make_sender("shm", random_pool(layout, 4, seed=1), layout).close()
         assert not os.path.exists(stale_path)
         assert os.path.exists(_lock_path(live.id)) and writer_alive(live.id)
     finally:

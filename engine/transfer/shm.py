@@ -25,6 +25,7 @@ import mmap
 import os
 import time
 import uuid
+import weakref
 from multiprocessing import resource_tracker
 
 import numpy as np
@@ -469,10 +470,15 @@ class ShmSender(QueuedSender):
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         # Held for this sender's life: receivers tell a stalled writer from a dead one.
         self._writer_lock = WriterLock(self.incarnation)
+        # A sender never closed is closed at interpreter exit, so its lock file goes too.
+        weakref.finalize(self, _close_at_exit, weakref.ref(self))
 
     def close(self) -> None:
         super().close()
-        self._writer_lock.close()
+        # Only once nothing can write: a missing lock file reads as a dead sender, whose
+        # claims receivers clear. Otherwise the lock goes with the process.
+        if not self._worker.is_alive():
+            self._writer_lock.close()
 
     def _connect(self, endpoint: KVEndpoint, deadline: float) -> PeerLink:
         segment = attach_segment(endpoint.address, with_pool=self.pool_in_segment)
@@ -524,6 +530,12 @@ def _check_peer(segment: ShmSegment, endpoint: KVEndpoint, layout: KVLayout) -> 
             f"segment {endpoint.address} has {segment.num_blocks} blocks, "
             f"descriptor says {endpoint.num_blocks}"
         )
+
+
+def _close_at_exit(sender: weakref.ref[ShmSender]) -> None:
+    live = sender()
+    if live is not None:
+        live.close()
 
 
 def require_atomics(kind: str) -> None:

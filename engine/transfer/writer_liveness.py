@@ -8,9 +8,10 @@ behind a long kernel) still holds its lock, so its blocks stay quarantined; a de
 does not, so its claims can be cleared. Works across PID namespaces (co-located
 containers) as long as /dev/shm is shared, which those transports need anyway.
 
-A lock file goes with its sender: ``close``, or the interpreter's exit, removes it. One
-left by a process that died (SIGKILL, OOM) is removed by the next ``writer_alive`` that
-asks about it, and every new ``WriterLock`` first sweeps the ones nobody holds any more.
+A lock file goes with its sender: ``close`` removes it (the shm sender closes itself at
+interpreter exit), as does collecting a ``WriterLock`` never closed. One left by a
+process that died (SIGKILL, OOM) is removed by the next ``writer_alive`` that asks about
+it, and every new ``WriterLock`` first sweeps the ones nobody holds any more.
 A file only ever appears under its final name already locked (created under a temporary
 name, locked, then renamed), so a sweep never mistakes a sender starting up for a dead one.
 """
@@ -41,8 +42,9 @@ def _path(wid: int) -> str:
 
 
 class WriterLock:
-    """The lock a live sender holds. ``close``, the interpreter's exit or process death
-    releases it; the first two also remove its file."""
+    """The lock a live sender holds. ``close`` or process death releases it; ``close``
+    (or collecting this object) also removes its file. Never at interpreter exit by
+    itself: its sender may still be writing then, and must be stopped first."""
 
     def __init__(self, incarnation: str) -> None:
         self.id = writer_id(incarnation)
@@ -50,6 +52,7 @@ class WriterLock:
         sweep_stale_locks()
         fd = _create_locked(self.path)
         self._release = weakref.finalize(self, _remove, fd, self.path, os.getpid())
+        self._release.atexit = False
 
     def close(self) -> None:
         """Release and remove the lock file. Idempotent."""
