@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from engine.transfer import shared_atomics, shm
+from engine.transfer.cuda_ipc import CudaIpcReceiver
 from engine.transfer.factory import make_receiver, make_sender
 from engine.transfer.shared_atomics import AtomicOps, AtomicWords, atomic_ops
 from tests.transfer_peer import REPO, SMALL_GROUPS, random_pool, small_layout
@@ -70,10 +71,14 @@ def test_bulk_forms_act_on_the_listed_words_in_order(source: str) -> None:
 
 
 _CONTENDER = """
-import sys, mmap, numpy as np
+import mmap, sys, time
+import numpy as np
 from engine.transfer.shared_atomics import AtomicWords
 with open(sys.argv[1], "r+b") as f:
-    words = AtomicWords(np.frombuffer(mmap.mmap(f.fileno(), 8), dtype=np.int64))
+    words = AtomicWords(np.frombuffer(mmap.mmap(f.fileno(), 24), dtype=np.int64))
+words.cas(2, words.load(2), words.load(2) + 1)  # ready (a lost update only delays the test)
+while words.load(1) == 0:  # both start together, so their swaps really race
+    time.sleep(0.001)
 for _ in range(int(sys.argv[2])):
     while True:
         old = words.load(0)
@@ -83,20 +88,34 @@ for _ in range(int(sys.argv[2])):
 
 
 def test_compare_and_swap_is_atomic_across_processes(tmp_path: object) -> None:
-    """Two processes add to one shared word by compare-and-swap: no increment is lost."""
-    path = f"{tmp_path}/word"
+    """Two processes add to one shared word by compare-and-swap, at once: no increment
+    is lost."""
+    import mmap
+
+    path = f"{tmp_path}/words"
     with open(path, "wb") as f:
-        f.write(bytes(8))
-    n = 20000
+        f.write(bytes(24))  # counter, go, ready
+    with open(path, "r+b") as f:
+        words = AtomicWords(np.frombuffer(mmap.mmap(f.fileno(), 24), dtype=np.int64))
+    n = 50000
     env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     procs = [
         subprocess.Popen([sys.executable, "-c", _CONTENDER, path, str(n)], env=env)
         for _ in range(2)
     ]
-    for proc in procs:
-        assert proc.wait(120) == 0
-    with open(path, "rb") as f:
-        assert int.from_bytes(f.read(8), "little", signed=True) == 2 * n
+    try:
+        end = time.monotonic() + 60
+        while words.load(2) < 2 and time.monotonic() < end:
+            time.sleep(0.01)
+        words.store(1, 1)
+        for proc in procs:
+            assert proc.wait(120) == 0
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(5)
+    assert words.load(0) == 2 * n
 
 
 def test_lease_tables_are_only_reached_through_the_atomics() -> None:
@@ -125,6 +144,8 @@ def test_shm_refuses_a_cpu_without_atomics(monkeypatch: pytest.MonkeyPatch) -> N
         pool = random_pool(small_layout(), 8, seed=1)
         with pytest.raises(RuntimeError, match="shm transport cannot run here"):
             make_sender("shm", pool, small_layout())
+        with pytest.raises(RuntimeError, match="cuda_ipc transport cannot run here"):
+            CudaIpcReceiver(small_layout(), 8)  # refused before it looks for a GPU
     finally:
         monkeypatch.undo()
         atomic_ops.cache_clear()
