@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.errors import AbortedError, CancelledError
-from engine.transfer.base import SendJob
+from engine.transfer.base import KVReceiver, RecvCompletion, SendJob
 from engine.transfer.factory import make_receiver, make_sender
 from engine.transfer.shm import ShmLink
 from engine.transfer.writer_liveness import writer_id
@@ -21,10 +21,10 @@ def _deadline(seconds: float = 30.0) -> float:
     return time.monotonic() + seconds
 
 
-def _poll_within(receiver: object, seconds: float) -> list:
+def _poll_within(receiver: KVReceiver, seconds: float) -> list[RecvCompletion]:
     end = time.monotonic() + seconds
     while time.monotonic() < end:
-        got = receiver.poll()  # type: ignore[attr-defined]
+        got = receiver.poll()
         if got:
             return got
         time.sleep(0.005)
