@@ -29,6 +29,7 @@ import ctypes
 import ctypes.util
 import functools
 import mmap
+import os
 import platform
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -99,13 +100,19 @@ class AtomicOps:
 
 def _x86_64_builtin() -> AtomicOps:
     codes = {name: bytes.fromhex(text) for name, text in _X86_64.items()}
-    # Private to this process; unmapped only when the AtomicOps holding it goes.
-    page = mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+    # Anonymous memory, unmapped only when the AtomicOps holding it goes. Written,
+    # then made read-only and executable: never writable and executable at once.
+    page = mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     base = ctypes.addressof(ctypes.c_char.from_buffer(page))
     functions: dict[str, Callable[..., int]] = {}
     for name, code in codes.items():
         functions[name] = _TYPES[name](base + page.tell())
         page.write(code)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [_PTR, ctypes.c_size_t, ctypes.c_int]
+    if libc.mprotect(base, mmap.PAGESIZE, mmap.PROT_READ | mmap.PROT_EXEC) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"cannot make a page executable: {os.strerror(errno)}")
     ops = AtomicOps("x86-64 built-in", code=page, **functions)  # type: ignore[arg-type]
     _self_test(ops)
     return ops
