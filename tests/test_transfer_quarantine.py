@@ -3,8 +3,11 @@ or is known dead; the request itself still ends at once with a typed status."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -16,6 +19,7 @@ from engine.transfer.base import SendJob
 from engine.transfer.factory import make_receiver, make_sender
 from engine.transfer.writer_liveness import WriterLock, writer_alive, writer_id
 from tests.transfer_peer import (
+    REPO,
     SMALL_GROUPS,
     blocks,
     descriptor_to_json,
@@ -120,6 +124,72 @@ def test_writer_liveness_follows_the_lock() -> None:
     lock.close()
     assert not writer_alive(lock.id)
     assert not writer_alive(0)
+
+
+_RUN_A_SENDER = """
+import sys, time
+from engine.transfer.factory import make_sender
+from engine.transfer.writer_liveness import writer_id
+from tests.transfer_peer import random_pool, small_layout
+sender = make_sender("shm", random_pool(small_layout(), 4, seed=1), small_layout())
+print(writer_id(sender.incarnation), flush=True)
+if sys.argv[1] == "stay":
+    time.sleep(3600)
+"""  # "exit": ends without closing the sender
+
+
+def _sender_process(mode: str) -> tuple[subprocess.Popen[str], str]:
+    """A process with an shm sender, and the path of the sender's lock file."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _RUN_A_SENDER, mode],
+        cwd=REPO,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+    )
+    assert proc.stdout is not None
+    return proc, _lock_path(int(proc.stdout.readline()))
+
+
+def _lock_path(wid: int) -> str:
+    return f"/dev/shm/baton_tx_{wid:016x}"
+
+
+def test_sender_lock_file_goes_when_its_process_exits() -> None:
+    proc, path = _sender_process("exit")
+    try:
+        assert proc.wait(30) == 0
+        assert not os.path.exists(path)
+    finally:
+        if proc.stdout is not None:
+            proc.stdout.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def test_stale_writer_lock_files_are_swept_when_a_sender_starts() -> None:
+    """A sender killed outright leaves its lock file; the next sender to start removes
+    it, and leaves alone the files that live senders hold."""
+    stale, stale_path = _sender_process("stay")
+    live = WriterLock(os.urandom(16).hex())
+    try:
+        os.kill(stale.pid, signal.SIGKILL)
+        stale.wait(10)
+        assert os.path.exists(stale_path)
+        layout = small_layout()
+        make_sender("shm", random_pool(layout, 4, seed=1), layout).close()
+        assert not os.path.exists(stale_path)
+        assert os.path.exists(_lock_path(live.id)) and writer_alive(live.id)
+    finally:
+        live.close()
+        if stale.poll() is None:
+            stale.kill()
+            stale.wait(5)
+        if stale.stdout is not None:
+            stale.stdout.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(stale_path)
 
 
 # -- stale peer state ------------------------------------------------------------------------

@@ -1,13 +1,16 @@
 """The ``shm`` transport: decode's KV pool lives in POSIX shared memory; prefill writes into it.
 
-The segment holds a header (magic, incarnation, layout, closed flag), three per-block
+The segment holds a header (magic, incarnation, layout, closed flag), two per-block
 lease tables and the pool. ``owner[b]`` is the token of the lease that may receive
-block b (0: none); ``writing[b]`` is the token a sender has claimed it with while it
-copies, and ``writer[b]`` that sender's id. A sender claims, then re-reads ``owner``
-before every layer group; a receiver revokes ``owner``, then waits until no claim with
-the lease's token remains. With a full barrier between each side's store and load
-(Dekker's handshake), no write lands after the receiver has seen the blocks idle, so a
-revoked lease is never written.
+block b (0: none), written by the receiver alone; ``claim[b]`` is the id of the sender
+copying into b (0: none). A sender takes a claim only with a compare-and-swap from 0
+and, once the job ends, gives back only a claim that still holds its own id, so no
+sender ever erases another's. It claims only while ``owner`` holds its token, claims
+every block before copying, then re-reads ``owner`` before every layer group; a
+receiver revokes ``owner``, then waits until no block of the lease is claimed. Every
+access to those words is a seq_cst atomic (``shared_atomics``), so one side's store is
+ordered before its load of the other's on any CPU (Dekker's handshake): no write lands
+after the receiver has seen the blocks idle, and a revoked lease is never written.
 
 A claim that stands is waited out for as long as its sender lives: a stalled sender may
 still finish the group it is copying, so its blocks are quarantined, never reused. Only
@@ -20,8 +23,9 @@ import logging
 import math
 import mmap
 import os
-import threading
+import time
 import uuid
+import weakref
 from multiprocessing import resource_tracker
 
 import numpy as np
@@ -46,12 +50,13 @@ from engine.transfer.block_copy import (
 )
 from engine.transfer.lease_receiver import Lease, LeaseReceiver
 from engine.transfer.queued_sender import PeerLink, QueuedSender, StopCheck
+from engine.transfer.shared_atomics import AtomicWords, WordIndex, atomic_ops
 from engine.transfer.writer_liveness import WriterLock, writer_alive
 
 logger = logging.getLogger(__name__)
 
 _MAGIC = 0x6261746F6E4B5631  # "batonKV1"
-_VERSION = 2
+_VERSION = 3  # 3: a claim is its writer's id, taken by compare-and-swap
 _HEADER_BYTES = 4096
 _PAGE = 4096
 _SHM_DIR = "/dev/shm"
@@ -62,15 +67,9 @@ _W_MAGIC, _W_VERSION, _W_INC_HI, _W_INC_LO = 0, 1, 2, 3
 _W_LAYERS, _W_BLOCK, _W_HEADS, _W_HEAD_DIM, _W_DTYPE, _W_BLOCKS = 4, 5, 6, 7, 8, 9
 _W_CLOSED, _W_POOL_OFFSET = 10, 11
 _HEADER_WORDS = 16
-
-# A lock round trip is a locked instruction, i.e. a full memory barrier on x86: it orders
-# our store to one lease table before our load from the other (see module docstring).
-_BARRIER = threading.Lock()
-
-
-def full_barrier() -> None:
-    with _BARRIER:
-        pass
+# How often a sender retries a block another sender claims (one on its way out: it saw
+# the lease is not its own).
+_CLAIM_RETRY_S = 0.001
 
 
 def new_segment_name() -> str:
@@ -94,50 +93,71 @@ class ShmSegment:
     The views own the mapping: it is unmapped when the last of them (the engine's KV
     cache included) is gone. Nothing here calls ``mmap.close``, which would unmap memory
     under live views (``torch.frombuffer`` holds a reference, numpy a buffer export).
-    The header and lease tables are numpy arrays: a lease check is a few microseconds.
+    The header is a numpy array; the lease tables are ``AtomicWords``, only ever
+    accessed atomically (a lease check is well under a microsecond a block).
     """
 
     def __init__(self, buffer: mmap.mmap, with_pool: bool) -> None:
         self.header = np.frombuffer(buffer, dtype=np.int64, count=_HEADER_WORDS)
         if int(self.header[_W_MAGIC]) != _MAGIC or int(self.header[_W_VERSION]) != _VERSION:
-            raise UnavailableError("shared-memory segment is not a baton KV pool of version "
-                                   f"{_VERSION}")
+            raise UnavailableError(
+                f"shared-memory segment is not a baton KV pool of version {_VERSION}"
+            )
         h = [int(x) for x in self.header.tolist()]
         self.incarnation = _join_uuid(h[_W_INC_HI], h[_W_INC_LO])
-        self.layout = KVLayout(h[_W_LAYERS], h[_W_BLOCK], h[_W_HEADS], h[_W_HEAD_DIM],
-                               _DTYPES_BY_CODE.get(h[_W_DTYPE], "float32"))
+        self.layout = KVLayout(
+            h[_W_LAYERS],
+            h[_W_BLOCK],
+            h[_W_HEADS],
+            h[_W_HEAD_DIM],
+            _DTYPES_BY_CODE.get(h[_W_DTYPE], "float32"),
+        )
         self.num_blocks = h[_W_BLOCKS]
-        self.owner = np.frombuffer(buffer, dtype=np.int64, count=self.num_blocks,
-                                   offset=_HEADER_BYTES)
-        self.writing = np.frombuffer(buffer, dtype=np.int64, count=self.num_blocks,
-                                     offset=_HEADER_BYTES + 8 * self.num_blocks)
-        self.writer = np.frombuffer(buffer, dtype=np.int64, count=self.num_blocks,
-                                    offset=_HEADER_BYTES + 16 * self.num_blocks)
+        self.owner = AtomicWords(
+            np.frombuffer(buffer, dtype=np.int64, count=self.num_blocks, offset=_HEADER_BYTES)
+        )
+        self.claim = AtomicWords(
+            np.frombuffer(
+                buffer,
+                dtype=np.int64,
+                count=self.num_blocks,
+                offset=_HEADER_BYTES + 8 * self.num_blocks,
+            )
+        )
         self.pool: torch.Tensor | None = None
         if with_pool:
             shape = self.layout.pool_shape(self.num_blocks)
-            self.pool = torch.frombuffer(buffer, dtype=torch_dtype(self.layout),
-                                         count=math.prod(shape),
-                                         offset=h[_W_POOL_OFFSET]).view(shape)
+            self.pool = torch.frombuffer(
+                buffer,
+                dtype=torch_dtype(self.layout),
+                count=math.prod(shape),
+                offset=h[_W_POOL_OFFSET],
+            ).view(shape)
 
     @staticmethod
     def size(layout: KVLayout, num_blocks: int, with_pool: bool) -> tuple[int, int]:
         """(total bytes, pool offset) of a segment."""
-        tables = 3 * 8 * num_blocks
+        tables = 2 * 8 * num_blocks
         pool_offset = _HEADER_BYTES + (tables + _PAGE - 1) // _PAGE * _PAGE
         pool_bytes = layout.block_bytes * num_blocks if with_pool else 0
         return pool_offset + pool_bytes, pool_offset
 
     @staticmethod
-    def write_header(buffer: mmap.mmap, layout: KVLayout, num_blocks: int, incarnation: str,
-                     pool_offset: int) -> None:
+    def write_header(
+        buffer: mmap.mmap, layout: KVLayout, num_blocks: int, incarnation: str, pool_offset: int
+    ) -> None:
         header = np.frombuffer(buffer, dtype=np.int64, count=_HEADER_WORDS)
         inc_hi, inc_lo = _split_uuid(incarnation)
         values = {
-            _W_VERSION: _VERSION, _W_INC_HI: inc_hi, _W_INC_LO: inc_lo,
-            _W_LAYERS: layout.num_layers, _W_BLOCK: layout.block_size,
-            _W_HEADS: layout.num_kv_heads, _W_HEAD_DIM: layout.head_dim,
-            _W_DTYPE: _DTYPE_CODES[layout.dtype], _W_BLOCKS: num_blocks,
+            _W_VERSION: _VERSION,
+            _W_INC_HI: inc_hi,
+            _W_INC_LO: inc_lo,
+            _W_LAYERS: layout.num_layers,
+            _W_BLOCK: layout.block_size,
+            _W_HEADS: layout.num_kv_heads,
+            _W_HEAD_DIM: layout.head_dim,
+            _W_DTYPE: _DTYPE_CODES[layout.dtype],
+            _W_BLOCKS: num_blocks,
             _W_POOL_OFFSET: pool_offset,
         }
         for word, value in values.items():
@@ -154,7 +174,9 @@ class ShmSegment:
 
     def release(self) -> None:
         """Drop our views; the mapping lives on while others (the engine) hold the pool."""
-        self.header = self.owner = self.writing = self.writer = np.empty(0, dtype=np.int64)
+        self.header = np.empty(0, dtype=np.int64)
+        # Empty tables: a late access fails on its index, never touches unmapped memory.
+        self.owner = self.claim = AtomicWords(self.header)
         self.pool = None
 
 
@@ -239,21 +261,27 @@ class ShmReceiver(LeaseReceiver):
         notify: Notify | None = None,
         device: str = "cpu",
     ) -> None:
+        require_atomics(self.kind)
         super().__init__(layout, num_blocks, config, notify)
         name = address or new_segment_name()
-        self._segment = create_segment(name, layout, num_blocks, self.incarnation,
-                                       with_pool=self.pool_in_segment)
+        self._segment = create_segment(
+            name, layout, num_blocks, self.incarnation, with_pool=self.pool_in_segment
+        )
         try:
             self._kv, handle = self._allocate_pool(torch.device(device))
         except BaseException:
             self._segment.release()
             unlink_segment(name)
             raise
-        self._endpoint = KVEndpoint(self.kind, name, self.incarnation, layout, num_blocks,
-                                    handle)
+        self._endpoint = KVEndpoint(self.kind, name, self.incarnation, layout, num_blocks, handle)
         self._start_worker()
-        logger.info("%s receiver %s: pool of %d blocks, lease tables in segment %s",
-                    self.kind, self.incarnation, num_blocks, name)
+        logger.info(
+            "%s receiver %s: pool of %d blocks, lease tables in segment %s",
+            self.kind,
+            self.incarnation,
+            num_blocks,
+            name,
+        )
 
     def _allocate_pool(self, device: torch.device) -> tuple[torch.Tensor, bytes]:
         """The pool tensor and the endpoint's backend handle."""
@@ -271,29 +299,37 @@ class ShmReceiver(LeaseReceiver):
         return self._endpoint
 
     def _arm(self, lease: Lease) -> None:
-        self._segment.owner[_index(lease.block_ids)] = lease.token
+        owner = self._segment.owner
+        owner.store_all(owner.index(lease.block_ids), lease.token)
 
     def _revoke(self, lease: Lease) -> None:
-        self._segment.owner[_index(lease.block_ids)] = 0
+        owner = self._segment.owner
+        owner.store_all(owner.index(lease.block_ids), 0)
 
     def _writers_idle(self, lease: Lease) -> bool:
-        full_barrier()
-        index = _index(lease.block_ids)
-        claimed = index[self._segment.writing[index] == lease.token]
-        return claimed.size == 0
+        # Any claim counts, whatever lease its sender holds: a stale sender that claimed
+        # before reading ``owner`` again has not yet seen that the blocks are not its own.
+        claim = self._segment.claim
+        return claim.all_equal(claim.index(lease.block_ids), 0)
 
     def _clear_dead_writers(self, lease: Lease) -> bool:
-        index = _index(lease.block_ids)
-        claimed = index[self._segment.writing[index] == lease.token]
-        writers = {int(w) for w in self._segment.writer[claimed]}
+        claim = self._segment.claim
+        held = {block: claim.load(block) for block in lease.block_ids}
+        held = {block: writer for block, writer in held.items() if writer}
+        writers = set(held.values())
         if any(writer_alive(w) for w in writers):
             return False
-        # Every claimant is gone: nothing can write these blocks any more.
-        still = claimed[self._segment.writing[claimed] == lease.token]
-        self._segment.writing[still] = 0
-        logger.warning("request %s: sender(s) %s died holding %d block claim(s); cleared",
-                       lease.request_id, sorted(writers), still.size)
-        return True
+        # Every claimant is gone: nothing can write these blocks any more. The swap
+        # clears only the dead writer's claim, never one taken since.
+        cleared = sum(claim.cas(block, writer, 0) == writer for block, writer in held.items())
+        if cleared:
+            logger.warning(
+                "request %s: sender(s) %s died holding %d block claim(s); cleared",
+                lease.request_id,
+                sorted(writers),
+                cleared,
+            )
+        return self._writers_idle(lease)
 
     def _data_ready(self, lease: Lease) -> bool:
         return True  # senders write in place; verify is the arrival signal
@@ -307,8 +343,16 @@ class ShmReceiver(LeaseReceiver):
 class ShmLink(PeerLink):
     """A mapped receiver segment; copies source blocks straight into its pool."""
 
-    def __init__(self, segment: ShmSegment, pool: torch.Tensor, kv: torch.Tensor,
-                 layout: KVLayout, config: TransferConfig, writer: int, name: str) -> None:
+    def __init__(
+        self,
+        segment: ShmSegment,
+        pool: torch.Tensor,
+        kv: torch.Tensor,
+        layout: KVLayout,
+        config: TransferConfig,
+        writer: int,
+        name: str,
+    ) -> None:
         self.incarnation = segment.incarnation
         self._writer = writer
         self._name = name
@@ -323,33 +367,68 @@ class ShmLink(PeerLink):
         self._dst_host = HostPool(pool) if on_cpu else None
 
     def send(self, job: SendJob, stop: StopCheck) -> tuple[int, int]:
-        seg = self._segment
         desc = job.descriptor
-        claims = _index(desc.block_ids)
         dst = BlockIndex(desc.block_ids, self._pool.device)
         src = BlockIndex(job.src_block_ids, self._kv.device)
         n = len(desc.block_ids)
         per_group = layers_per_group(self._layout, n, self._config.group_bytes)
         checksum = KVChecksum()
         nbytes = 0
-        seg.writer[claims] = self._writer  # before the claim: a claim always names its writer
-        seg.writing[claims] = desc.lease_token
+        blocks = self._segment.claim.index(desc.block_ids)
+        self._claim(job, blocks)
         try:
             for group, (lo, hi) in enumerate(layer_groups(self._layout.num_layers, per_group)):
                 stop(group)
-                full_barrier()
-                self._check_lease(job, claims)
+                self._check_lease(job, blocks)
                 nbytes += self._copy_group(group, lo, hi, src, dst, checksum)
             self._quiesce()
             return checksum.value, nbytes
         finally:
             self._quiesce()  # nothing may still be in flight once the claims are gone
-            # Clear only our own claims, so a stale sender cannot erase a live one's.
-            mine = claims[seg.writing[claims] == desc.lease_token]
-            seg.writing[mine] = 0
+            self._release(blocks, len(blocks))
 
-    def _copy_group(self, group: int, lo: int, hi: int, src: BlockIndex, dst: BlockIndex,
-                    checksum: KVChecksum) -> int:
+    def _claim(self, job: SendJob, blocks: WordIndex) -> None:
+        """Claim every destination block for this sender, or (raising) none.
+
+        A block is claimed only while its lease is ours: a stale sender, whose lease
+        ended while its job sat queued, touches no claim. Another sender's claim is one
+        on its way out (it claimed just as the blocks changed hands, and lets go once it
+        reads ``owner``), so it is waited for, within the stall bound.
+        """
+        claim = self._segment.claim
+        held = 0  # blocks[:held] are ours
+        give_up = min(job.deadline, time.monotonic() + self._config.stall_timeout_s)
+        try:
+            while True:
+                self._check_lease(job, blocks)
+                held += claim.cas_prefix(blocks, 0, self._writer, start=held)
+                if held == len(blocks):
+                    break
+                if time.monotonic() > give_up:
+                    block = int(blocks.array[held])
+                    raise AbortedError(
+                        f"request {job.request_id}: destination block {block} stayed "
+                        f"claimed by sender {claim.load(block):#x}; nothing written"
+                    )
+                time.sleep(_CLAIM_RETRY_S)
+            # The claims are stored before ``owner`` is read again (all seq_cst): a
+            # receiver that revoked the lease before this read sees them and waits.
+            self._check_lease(job, blocks)
+        except BaseException:
+            self._release(blocks, held)
+            raise
+
+    def _release(self, blocks: WordIndex, held: int) -> None:
+        """Give back our claims on ``blocks[:held]``; one that is not ours (any more) is
+        left alone."""
+        claim = self._segment.claim
+        start = 0
+        while start < held:
+            start += claim.cas_prefix(blocks, self._writer, 0, start=start, end=held) + 1
+
+    def _copy_group(
+        self, group: int, lo: int, hi: int, src: BlockIndex, dst: BlockIndex, checksum: KVChecksum
+    ) -> int:
         """Copy one layer group of the job into the pool; return its bytes."""
         assert self._src_host is not None
         return self._src_host.stream(lo, hi, src, checksum, self._staging, self._dst_host, dst)
@@ -357,13 +436,13 @@ class ShmLink(PeerLink):
     def _quiesce(self) -> None:
         """Block until every copy issued so far has landed (CPU copies already have)."""
 
-    def _check_lease(self, job: SendJob, dst: np.ndarray) -> None:
+    def _check_lease(self, job: SendJob, dst: WordIndex) -> None:
         if self._segment.closed:
             self.broken = True
             raise UnavailableError(
                 f"request {job.request_id}: receiver {self.incarnation} closed its pool"
             )
-        if not (self._segment.owner[dst] == job.descriptor.lease_token).all():
+        if not self._segment.owner.all_equal(dst, job.descriptor.lease_token):
             raise AbortedError(
                 f"request {job.request_id}: destination lease was revoked (cancelled, "
                 "expired or superseded); nothing more written"
@@ -387,13 +466,19 @@ class ShmSender(QueuedSender):
     pool_in_segment = True
 
     def __init__(self, *args: object, **kwargs: object) -> None:
+        require_atomics(self.kind)
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         # Held for this sender's life: receivers tell a stalled writer from a dead one.
         self._writer_lock = WriterLock(self.incarnation)
+        # A sender never closed is closed at interpreter exit, so its lock file goes too.
+        weakref.finalize(self, _close_at_exit, weakref.ref(self))
 
     def close(self) -> None:
         super().close()
-        self._writer_lock.close()
+        # Only once nothing can write: a missing lock file reads as a dead sender, whose
+        # claims receivers clear. Otherwise the lock goes with the process.
+        if not self._worker.is_alive():
+            self._writer_lock.close()
 
     def _connect(self, endpoint: KVEndpoint, deadline: float) -> PeerLink:
         segment = attach_segment(endpoint.address, with_pool=self.pool_in_segment)
@@ -403,14 +488,26 @@ class ShmSender(QueuedSender):
         except BaseException:
             segment.release()
             raise
-        logger.info("%s sender %s: mapped pool of receiver %s at %s", self.kind,
-                    self.incarnation, segment.incarnation, endpoint.address)
+        logger.info(
+            "%s sender %s: mapped pool of receiver %s at %s",
+            self.kind,
+            self.incarnation,
+            segment.incarnation,
+            endpoint.address,
+        )
         return link
 
     def _make_link(self, segment: ShmSegment, endpoint: KVEndpoint) -> ShmLink:
         assert segment.pool is not None
-        return ShmLink(segment, segment.pool, self.kv_cache, self.layout, self.config,
-                       self._writer_lock.id, endpoint.address)
+        return ShmLink(
+            segment,
+            segment.pool,
+            self.kv_cache,
+            self.layout,
+            self.config,
+            self._writer_lock.id,
+            endpoint.address,
+        )
 
 
 def _check_peer(segment: ShmSegment, endpoint: KVEndpoint, layout: KVLayout) -> None:
@@ -429,9 +526,21 @@ def _check_peer(segment: ShmSegment, endpoint: KVEndpoint, layout: KVLayout) -> 
             f"({diff})"
         )
     if segment.num_blocks != endpoint.num_blocks:
-        raise UnavailableError(f"segment {endpoint.address} has {segment.num_blocks} blocks, "
-                               f"descriptor says {endpoint.num_blocks}")
+        raise UnavailableError(
+            f"segment {endpoint.address} has {segment.num_blocks} blocks, "
+            f"descriptor says {endpoint.num_blocks}"
+        )
 
 
-def _index(block_ids: tuple[int, ...]) -> np.ndarray:
-    return np.array(block_ids, dtype=np.int64)
+def _close_at_exit(sender: weakref.ref[ShmSender]) -> None:
+    live = sender()
+    if live is not None:
+        live.close()
+
+
+def require_atomics(kind: str) -> None:
+    """Refuse to run a transport whose lease tables cannot be made safe on this CPU."""
+    try:
+        atomic_ops()
+    except RuntimeError as exc:
+        raise RuntimeError(f"the {kind} transport cannot run here: {exc}") from exc
