@@ -65,6 +65,7 @@ from engine.transfer.pair_group import (
     link_error,
     local_address_towards,
     parse_address,
+    past_deadline,
     release_failed_group,
 )
 from engine.transfer.queued_sender import PeerLink, QueuedSender, StopCheck
@@ -487,12 +488,12 @@ class GlooLink(PeerLink):
 
         def wait_oldest() -> None:
             remaining = min(self._config.stall_timeout_s, job.deadline - time.monotonic())
+            what = f"request {job.request_id}: sending"
             try:
-                self._pair_group.wait(inflight.popleft(), pg, remaining,
-                                      f"request {job.request_id}: sending")
-            except BatonError:
+                self._pair_group.wait(inflight.popleft(), pg, remaining, what)
+            except BatonError as exc:
                 self.broken = True
-                raise
+                raise past_deadline(exc, job.deadline, what) from exc
 
         raw = header.to_bytes()
         if self._sign is not None:
@@ -621,11 +622,15 @@ class GlooSender(QueuedSender):
             assert key is not None
             hello = sign_hello(key, live, n, hello)
         store.set(hello_key(n), hello)
+        # Bounded by the connect timeout, not the job's deadline: a receiver that does not
+        # answer is a silent peer (retryable), and this lane may hold other jobs to it.
+        budget = min(self.config.connect_timeout_s, deadline - time.monotonic())
         try:
-            store.wait([verdict_key(n)],
-                       timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+            store.wait([verdict_key(n)], timedelta(seconds=max(budget, 0.001)))
         except dist.DistStoreError as exc:
-            raise DeadlineExceededError(f"receiver {live} did not answer hello {n}") from exc
+            silent = AbortedError(f"receiver {live} did not answer hello {n} within "
+                                  f"{budget:.1f} s")
+            raise past_deadline(silent, deadline, f"hello {n}") from exc
         verdict = store.get(verdict_key(n)).decode()
         store.delete_key(verdict_key(n))
         if verdict.endswith(VERDICT_NO_SECRET):
@@ -655,7 +660,7 @@ class GlooSender(QueuedSender):
                 release_failed_group(pg, exc)
                 pg = None
             if isinstance(exc, BatonError):
-                raise
+                raise past_deadline(exc, deadline, what) from exc
             reason = refused()  # whatever broke the group, typed
             raise UnavailableError(f"{what}: {reason or repr(exc)}") from exc
         answer = store.get(ready).decode()

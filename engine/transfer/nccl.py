@@ -24,7 +24,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from engine.errors import DeadlineExceededError
+from engine.errors import AbortedError
 from engine.kv_layout import KVLayout
 from engine.transfer.base import Notify, TransferConfig
 from engine.transfer.gloo import GlooReceiver, GlooSender
@@ -72,7 +72,7 @@ class NcclPairGroup(PairGroup):
         while not work.is_completed():
             if time.monotonic() > deadline:
                 abort_group(pg)  # the pair cannot be trusted with a half-done operation
-                raise DeadlineExceededError(f"{what}: timed out after {timeout_s:.1f} s")
+                raise AbortedError(f"{what}: the peer went silent for {timeout_s:.1f} s")
             time.sleep(_POLL_S)
         try:
             work.wait()

@@ -97,10 +97,21 @@ def _reap(pg: dist.ProcessGroup) -> None:
 
 
 def link_error(exc: Exception, what: str) -> BatonError:
-    """Map a process-group failure to the typed error it means."""
+    """Map a process-group failure to the typed error it means. A time-out is a peer that
+    went silent on the wire: ``AbortedError``, which the gateway retries before the first
+    token; only a caller's own deadline is ``DeadlineExceededError`` (``past_deadline``)."""
     if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
-        return DeadlineExceededError(f"{what}: timed out ({exc})")
+        return AbortedError(f"{what}: the peer went silent ({exc})")
     return UnavailableError(f"{what}: peer lost ({exc})")
+
+
+def past_deadline(error: BatonError, deadline: float, what: str) -> BatonError:
+    """``error`` as the caller should see it: a silent peer (``AbortedError``) whose wait
+    was cut short by ``deadline`` (``time.monotonic()``, the job's) is that deadline
+    passing."""
+    if isinstance(error, AbortedError) and time.monotonic() >= deadline:
+        return DeadlineExceededError(f"{what}: the deadline passed ({error})")
+    return error
 
 
 class PairGroup:
@@ -136,8 +147,8 @@ class PairGroup:
             if reason is not None:
                 raise UnavailableError(f"{what}: {reason}")
             if time.monotonic() > deadline:
-                raise DeadlineExceededError(f"{what}: the pair group did not form within "
-                                            f"{timeout_s:.1f} s")
+                raise AbortedError(f"{what}: the pair group did not form within "
+                                   f"{timeout_s:.1f} s")
             time.sleep(_HANDSHAKE_POLL_S)
         try:
             work.wait()
@@ -150,9 +161,9 @@ class PairGroup:
             raise AbortedError(f"{what}: handshake summed to {probe.item()}, expected 2")
 
     def wait(self, work: dist.Work, pg: dist.ProcessGroup, timeout_s: float, what: str) -> None:
-        """Block until ``work`` is done. Raises ``DeadlineExceededError`` after ``timeout_s``
-        or ``UnavailableError`` if the peer is lost; either way the group is broken (gloo
-        closes the pair on a timeout) and must be dropped."""
+        """Block until ``work`` is done. Raises ``AbortedError`` after ``timeout_s`` (the
+        peer went silent) or ``UnavailableError`` if the peer is lost; either way the group
+        is broken (gloo closes the pair on a timeout) and must be dropped."""
         try:
             work.wait(timedelta(seconds=max(timeout_s, 0.001)))
         except RuntimeError as exc:
