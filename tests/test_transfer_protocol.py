@@ -28,6 +28,7 @@ from engine.transfer.base import KVReceiver, KVSender, SendJob, TransferConfig
 from engine.transfer.block_copy import Staging, checksum_blocks
 from engine.transfer.factory import make_receiver, make_sender
 from engine.transfer.store_protocol import (
+    KEY_HELLO_BELL,
     KEY_HELLO_COUNT,
     Hello,
     JobHeader,
@@ -111,6 +112,7 @@ def test_gloo_receiver_refuses_a_hello_with_another_layout() -> None:
         store = dist.TCPStore(host, int(port), None, False, timedelta(seconds=5))
         n = store.add(KEY_HELLO_COUNT, 1)
         store.set(hello_key(n), Hello("intruder", small_layout(head_dim=4)).to_bytes())
+        store.set(KEY_HELLO_BELL, b"1")
         store.wait([verdict_key(n)], timedelta(seconds=5))
         verdict = store.get(verdict_key(n)).decode()
         assert "refused" in verdict and "head_dim: 8 != 4" in verdict

@@ -10,8 +10,12 @@ lease has ended, so late data never reaches reallocated blocks. Control (hello, 
 readiness, job headers) goes through the store; see ``store_protocol``. A link is used
 only after the receiver reports its side of the group built and proven by a handshake;
 every failure on the way is typed, and a failed pair never takes the receiver down.
-With a fleet secret in the config, the receiver admits only senders whose hello (and
-job headers) carry its tag.
+Hellos are taken in any order (``HelloInbox``): a number taken and never used, by a
+sender that died or by anyone who reaches the store, is given up after the connect
+timeout and holds up no one. A sender waits for its verdict at most the connect
+timeout; a silent receiver is ``AbortedError``, retryable. With a fleet secret in the
+config, the receiver admits only senders whose hello (and job headers) carry its tag,
+and each side checks every value it reads from the store (``store_protocol.seal``).
 
 On a GPU (nccl) every copy, send and receive runs on the transport's own stream, after
 the fence of its hand-over (``cuda_stream``): never behind the engine's later kernels.
@@ -59,6 +63,7 @@ from engine.transfer.lease_receiver import Lease, LeaseReceiver
 from engine.transfer.pair_group import (
     RECEIVER_RANK,
     SENDER_RANK,
+    HelloInbox,
     KeySeries,
     PairGroup,
     client_store,
@@ -66,6 +71,7 @@ from engine.transfer.pair_group import (
     local_address_towards,
     parse_address,
     past_deadline,
+    read_sealed,
     release_failed_group,
 )
 from engine.transfer.queued_sender import PeerLink, QueuedSender, StopCheck
@@ -74,6 +80,7 @@ from engine.transfer.store_protocol import (
     FLAG_ABORT,
     GROUP_HEADER_BYTES,
     KEY_AUTH,
+    KEY_HELLO_BELL,
     KEY_HELLO_COUNT,
     KEY_INCARNATION,
     KEY_LAYOUT,
@@ -91,8 +98,10 @@ from engine.transfer.store_protocol import (
     open_job,
     pair_prefix,
     ready_key,
+    seal,
     sign_hello,
     sign_job,
+    unseal,
     verdict_key,
 )
 
@@ -143,15 +152,16 @@ class GlooReceiver(LeaseReceiver):
             raise UnavailableError(f"cannot serve the KV store on {host}:{port}: {exc}") from exc
         self._host = host
         self._port = self._store.port
-        self._store.set(KEY_LAYOUT, encode_layout(layout))
-        self._store.set(KEY_INCARNATION, self.incarnation)
+        key = self.config.fleet_key
+        self._store.set(KEY_LAYOUT, seal(key, self.incarnation, KEY_LAYOUT, encode_layout(layout)))
+        self._store.set(KEY_INCARNATION, seal(key, "", KEY_INCARNATION, self.incarnation.encode()))
         if self.config.fleet_key is not None:
             self._store.set(KEY_AUTH, AUTH_HMAC)
         self._endpoint = KVEndpoint(self.kind, f"{host}:{self._port}", self.incarnation,
                                     layout, num_blocks)
         self._pairs_lock = threading.Lock()
         self._pairs: dict[int, _Pair] = {}
-        self._hellos = KeySeries(self._client(), hello_key, 1)
+        self._hellos = HelloInbox(self._client(), self.config.connect_timeout_s)
         self._accept = threading.Thread(target=self._accept_main, daemon=True,
                                         name=f"baton-transfer-{self.kind}-accept")
         self._accept.start()
@@ -241,13 +251,13 @@ class GlooReceiver(LeaseReceiver):
     # -- accepting senders ------------------------------------------------------------------
 
     def _accept_main(self) -> None:
-        def skip_abandoned(n: int) -> bool:
-            # A sender that took number n but died before its hello must not block the
-            # ones behind it.
-            return self._store.add(KEY_HELLO_COUNT, 0) > n
+        while (hello := self._hellos.take()) is not None:
+            self._admit(*hello)
 
-        while (raw := self._hellos.take(skip_abandoned)) is not None:
-            self._admit(self._hellos.position - 1, raw)
+    def _answer(self, n: int, verdict: str) -> None:
+        name = verdict_key(n)
+        self._store.set(name, seal(self.config.fleet_key, self.incarnation, name,
+                                   verdict.encode()))
 
     def _admit(self, n: int, raw: bytes) -> None:
         try:
@@ -255,20 +265,18 @@ class GlooReceiver(LeaseReceiver):
         except (ValueError, UnicodeDecodeError) as exc:
             logger.warning("%s receiver %s: refused malformed hello %d: %s", self.kind,
                            self.incarnation, n, exc)
-            self._store.set(verdict_key(n), f"receiver {self.incarnation} refused: "
-                                            f"malformed hello ({exc})")
+            self._answer(n, f"receiver {self.incarnation} refused: malformed hello ({exc})")
             return
         if hello is None:
             logger.warning("%s receiver %s: refused hello %d: it does not carry the fleet's "
                            "secret", self.kind, self.incarnation, n)
-            self._store.set(verdict_key(n), f"receiver {self.incarnation} {VERDICT_NO_SECRET}")
+            self._answer(n, f"receiver {self.incarnation} {VERDICT_NO_SECRET}")
             return
         diff = self.layout.mismatch(hello.layout)
         if diff is not None:
             logger.warning("%s receiver %s: refused sender %s, KV layout differs (%s)",
                            self.kind, self.incarnation, hello.sender_incarnation, diff)
-            self._store.set(verdict_key(n), f"receiver {self.incarnation} refused: KV layout "
-                                            f"differs ({diff})")
+            self._answer(n, f"receiver {self.incarnation} refused: KV layout differs ({diff})")
             return
         with self._pairs_lock:
             stale = [p for p in self._pairs.values() if p.sender == hello.sender_incarnation]
@@ -281,14 +289,19 @@ class GlooReceiver(LeaseReceiver):
             self._pairs[n] = _Pair(n, hello.sender_incarnation, thread,
                                    last_active=time.monotonic())
         thread.start()
-        self._store.set(verdict_key(n), VERDICT_OK)
+        self._answer(n, VERDICT_OK)
 
     # -- receiving --------------------------------------------------------------------------
 
     def _pair_main(self, n: int, sender: str) -> None:
         prefix = pair_prefix(self.incarnation, sender, n)
+        ready = ready_key(prefix)
         store = self._client()
         pg = None
+
+        def say(answer: str) -> None:
+            store.set(ready, seal(self.config.fleet_key, prefix, ready, answer.encode()))
+
         try:
             with self._transfer.active():
                 pg = self.pair_group.make(store, f"{prefix}/pg", RECEIVER_RANK, self._host,
@@ -300,15 +313,14 @@ class GlooReceiver(LeaseReceiver):
                            self.incarnation, n, sender, exc)
             # The reason first: the sender may see the group fail as soon as it is let go.
             try:
-                store.set(ready_key(prefix), f"receiver {self.incarnation} could not build "
-                                             f"pair {n}: {exc!r}")
+                say(f"receiver {self.incarnation} could not build pair {n}: {exc!r}")
             except RuntimeError as store_exc:  # the store is going: the sender times out
                 logger.warning("%s receiver %s: cannot report pair %d: %s", self.kind,
                                self.incarnation, n, store_exc)
             if pg is not None:
                 release_failed_group(pg, exc)
             return
-        store.set(ready_key(prefix), READY_OK)
+        say(READY_OK)
         logger.info("%s receiver %s: sender %s connected (pair %d)", self.kind,
                     self.incarnation, sender, n)
         jobs = KeySeries(store, lambda seq: job_key(prefix, seq), 0)
@@ -600,39 +612,51 @@ class GlooSender(QueuedSender):
 
     def _handshake(self, store: dist.TCPStore, endpoint: KVEndpoint, host: str,
                    deadline: float) -> GlooLink:
-        live = store.get(KEY_INCARNATION).decode()
+        key = self.config.fleet_key
+        if key is None and store.check([KEY_AUTH]):
+            raise PermissionDeniedError(
+                f"receiver {endpoint.incarnation} at {endpoint.address} admits only senders "
+                "holding the fleet's secret, and this one has none (--fleet-secret-file)"
+            )
+        sealed = unseal(key, "", KEY_INCARNATION, store.get(KEY_INCARNATION))
+        if sealed is None:
+            raise PermissionDeniedError(
+                f"the receiver at {endpoint.address} does not prove it holds the fleet's "
+                "secret (its incarnation record is not sealed with it)"
+            )
+        live = sealed.decode()
         if live != endpoint.incarnation:
             raise UnavailableError(f"{endpoint.address} is receiver {live}, descriptor names "
                                    f"{endpoint.incarnation} (restarted)")
-        diff = self.layout.mismatch(decode_layout(store.get(KEY_LAYOUT)))
+        layout = unseal(key, live, KEY_LAYOUT, store.get(KEY_LAYOUT))
+        if layout is None:
+            raise PermissionDeniedError(f"receiver {live} at {endpoint.address}: its layout "
+                                        "record does not carry the fleet's secret")
+        diff = self.layout.mismatch(decode_layout(layout))
         if diff is not None:
             raise LayoutMismatchError(
                 f"receiver {live} at {endpoint.address} has a different KV layout ({diff})"
             )
-        key = self.config.fleet_key
-        auth = store.check([KEY_AUTH])
-        if auth and key is None:
-            raise PermissionDeniedError(
-                f"receiver {live} at {endpoint.address} admits only senders holding the "
-                "fleet's secret, and this one has none (--fleet-secret-file)"
-            )
         n = store.add(KEY_HELLO_COUNT, 1)
         hello = Hello(self.incarnation, self.layout).to_bytes()
-        if auth:
-            assert key is not None
+        if key is not None:
             hello = sign_hello(key, live, n, hello)
         store.set(hello_key(n), hello)
+        store.set(KEY_HELLO_BELL, b"1")  # wakes the receiver whatever our number
         # Bounded by the connect timeout, not the job's deadline: a receiver that does not
         # answer is a silent peer (retryable), and this lane may hold other jobs to it.
         budget = min(self.config.connect_timeout_s, deadline - time.monotonic())
         try:
-            store.wait([verdict_key(n)], timedelta(seconds=max(budget, 0.001)))
+            answer = read_sealed(store, verdict_key(n), key, live, budget)
         except dist.DistStoreError as exc:
             silent = AbortedError(f"receiver {live} did not answer hello {n} within "
                                   f"{budget:.1f} s")
             raise past_deadline(silent, deadline, f"hello {n}") from exc
-        verdict = store.get(verdict_key(n)).decode()
         store.delete_key(verdict_key(n))
+        if answer is None:
+            raise PermissionDeniedError(f"receiver {live}: no verdict on hello {n} carried "
+                                        f"the fleet's secret within {budget:.1f} s")
+        verdict = answer.decode()
         if verdict.endswith(VERDICT_NO_SECRET):
             raise PermissionDeniedError(verdict)
         if verdict != VERDICT_OK:
@@ -643,8 +667,9 @@ class GlooSender(QueuedSender):
         def refused() -> str | None:
             if not store.check([ready]):
                 return None
-            answer = store.get(ready).decode()
-            return None if answer == READY_OK else answer
+            answer = unseal(key, prefix, ready, store.get(ready))
+            # A forged answer is no answer: the receiver's own overwrites it.
+            return None if answer is None or answer == READY_OK.encode() else answer.decode()
 
         what = f"pair {n} with receiver {live}"
         budget = max(min(self.config.connect_timeout_s, deadline - time.monotonic()), 0.001)
@@ -654,7 +679,7 @@ class GlooSender(QueuedSender):
                 pg = self.pair_group.make(store, f"{prefix}/pg", SENDER_RANK,
                                           local_address_towards(host), self.config)
                 self.pair_group.handshake(pg, budget, what, refused)
-            store.wait([ready], timedelta(seconds=budget))
+            sealed_answer = read_sealed(store, ready, key, prefix, budget)
         except Exception as exc:
             if pg is not None:
                 release_failed_group(pg, exc)
@@ -663,8 +688,9 @@ class GlooSender(QueuedSender):
                 raise past_deadline(exc, deadline, what) from exc
             reason = refused()  # whatever broke the group, typed
             raise UnavailableError(f"{what}: {reason or repr(exc)}") from exc
-        answer = store.get(ready).decode()
         store.delete_key(ready)
+        answer = (f"receiver {live}: no readiness record carried the fleet's secret"
+                  if sealed_answer is None else sealed_answer.decode())
         if answer != READY_OK:
             release_failed_group(pg, UnavailableError(answer))
             raise UnavailableError(f"{what}: {answer}")
@@ -672,4 +698,4 @@ class GlooSender(QueuedSender):
                     self.incarnation, live, endpoint.address, n)
         return GlooLink(store, pg, prefix, live, self.kv_cache, self.layout, self.config,
                         self.pair_group, endpoint.address, self._transfer, self._fences,
-                        key if auth else None)
+                        key)

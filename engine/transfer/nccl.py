@@ -28,7 +28,13 @@ from engine.errors import AbortedError
 from engine.kv_layout import KVLayout
 from engine.transfer.base import Notify, TransferConfig
 from engine.transfer.gloo import GlooReceiver, GlooSender
-from engine.transfer.pair_group import PairGroup, abort_group, group_timeout_s, link_error
+from engine.transfer.pair_group import (
+    PairGroup,
+    abort_group,
+    group_timeout_s,
+    link_error,
+    rendezvous_store,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +71,7 @@ class NcclPairGroup(PairGroup):
         torch.cuda.set_device(self.device)  # NCCL binds the calling thread's device
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timedelta(seconds=group_timeout_s(config))
-        return dist.ProcessGroupNCCL(dist.PrefixStore(prefix, store), rank, 2, options)
+        return dist.ProcessGroupNCCL(rendezvous_store(store, prefix, config), rank, 2, options)
 
     def wait(self, work: dist.Work, pg: dist.ProcessGroup, timeout_s: float, what: str) -> None:
         deadline = time.monotonic() + timeout_s
