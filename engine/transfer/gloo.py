@@ -136,12 +136,15 @@ class GlooReceiver(LeaseReceiver):
         device: str = "cpu",
     ) -> None:
         if torch.device(device).type != self.pair_group.device.type:
-            raise ValueError(f"a {self.kind} receiver keeps its pool on "
-                             f"{self.pair_group.device.type}, got device {device!r}")
+            raise ValueError(
+                f"a {self.kind} receiver keeps its pool on "
+                f"{self.pair_group.device.type}, got device {device!r}"
+            )
         super().__init__(layout, num_blocks, config, notify)
         host, port = parse_address(address or "127.0.0.1:0")
-        self._kv = torch.zeros(layout.pool_shape(num_blocks), dtype=torch_dtype(layout),
-                               device=device)
+        self._kv = torch.zeros(
+            layout.pool_shape(num_blocks), dtype=torch_dtype(layout), device=device
+        )
         self._host_kv = HostPool(self._kv) if self._kv.device.type == "cpu" else None
         self._transfer = TransferStream(self._kv.device)
         self._fences = FenceBook(self._transfer)  # per lease token: compute before the lease
@@ -157,17 +160,24 @@ class GlooReceiver(LeaseReceiver):
         self._store.set(KEY_INCARNATION, seal(key, "", KEY_INCARNATION, self.incarnation.encode()))
         if self.config.fleet_key is not None:
             self._store.set(KEY_AUTH, AUTH_HMAC)
-        self._endpoint = KVEndpoint(self.kind, f"{host}:{self._port}", self.incarnation,
-                                    layout, num_blocks)
+        self._endpoint = KVEndpoint(
+            self.kind, f"{host}:{self._port}", self.incarnation, layout, num_blocks
+        )
         self._pairs_lock = threading.Lock()
         self._pairs: dict[int, _Pair] = {}
         self._hellos = HelloInbox(self._client(), self.config.connect_timeout_s)
-        self._accept = threading.Thread(target=self._accept_main, daemon=True,
-                                        name=f"baton-transfer-{self.kind}-accept")
+        self._accept = threading.Thread(
+            target=self._accept_main, daemon=True, name=f"baton-transfer-{self.kind}-accept"
+        )
         self._accept.start()
         self._start_worker()
-        logger.info("%s receiver %s: pool of %d blocks, store at %s", self.kind,
-                    self.incarnation, num_blocks, self._endpoint.address)
+        logger.info(
+            "%s receiver %s: pool of %d blocks, store at %s",
+            self.kind,
+            self.incarnation,
+            num_blocks,
+            self._endpoint.address,
+        )
 
     @property
     def kv_cache(self) -> torch.Tensor:
@@ -201,8 +211,12 @@ class GlooReceiver(LeaseReceiver):
         for pair in pairs:
             pair.thread.join(self.config.stall_timeout_s)
             if pair.thread.is_alive():
-                logger.warning("%s receiver %s: pair %d thread did not stop", self.kind,
-                               self.incarnation, pair.number)
+                logger.warning(
+                    "%s receiver %s: pair %d thread did not stop",
+                    self.kind,
+                    self.incarnation,
+                    pair.number,
+                )
         del self._store  # shuts the store server down
 
     def _check(self, lease: Lease) -> BatonError | None:
@@ -222,8 +236,13 @@ class GlooReceiver(LeaseReceiver):
         with self._pairs_lock:
             gone = [p for p in self._pairs.values() if p.sender == sender_incarnation]
         for pair in gone:
-            logger.info("%s receiver %s: dropping pair %d of departed sender %s", self.kind,
-                        self.incarnation, pair.number, sender_incarnation)
+            logger.info(
+                "%s receiver %s: dropping pair %d of departed sender %s",
+                self.kind,
+                self.incarnation,
+                pair.number,
+                sender_incarnation,
+            )
             self._stop_pair(pair)
 
     def _housekeeping(self) -> None:
@@ -231,14 +250,26 @@ class GlooReceiver(LeaseReceiver):
         # that belongs to a sender that is gone.
         now = time.monotonic()
         with self._pairs_lock:
-            idle = [p for p in self._pairs.values()
-                    if not p.stopped and now - p.last_active > 2 * self.config.peer_idle_s]
+            idle = [
+                p
+                for p in self._pairs.values()
+                if not p.stopped and now - p.last_active > 2 * self.config.peer_idle_s
+            ]
             # Forget pairs whose thread has ended (ident None: not started yet).
-            self._pairs = {k: p for k, p in self._pairs.items()
-                           if p.thread.is_alive() or p.thread.ident is None}
+            self._pairs = {
+                k: p
+                for k, p in self._pairs.items()
+                if p.thread.is_alive() or p.thread.ident is None
+            }
         for pair in idle:
-            logger.info("%s receiver %s: dropping pair %d of sender %s, idle %.0f s", self.kind,
-                        self.incarnation, pair.number, pair.sender, now - pair.last_active)
+            logger.info(
+                "%s receiver %s: dropping pair %d of sender %s, idle %.0f s",
+                self.kind,
+                self.incarnation,
+                pair.number,
+                pair.sender,
+                now - pair.last_active,
+            )
             self._stop_pair(pair)
 
     def _stop_pair(self, pair: _Pair) -> None:
@@ -256,26 +287,39 @@ class GlooReceiver(LeaseReceiver):
 
     def _answer(self, n: int, verdict: str) -> None:
         name = verdict_key(n)
-        self._store.set(name, seal(self.config.fleet_key, self.incarnation, name,
-                                   verdict.encode()))
+        self._store.set(name, seal(self.config.fleet_key, self.incarnation, name, verdict.encode()))
 
     def _admit(self, n: int, raw: bytes) -> None:
         try:
             hello = open_hello(self.config.fleet_key, self.incarnation, n, raw)
         except (ValueError, UnicodeDecodeError) as exc:
-            logger.warning("%s receiver %s: refused malformed hello %d: %s", self.kind,
-                           self.incarnation, n, exc)
+            logger.warning(
+                "%s receiver %s: refused malformed hello %d: %s",
+                self.kind,
+                self.incarnation,
+                n,
+                exc,
+            )
             self._answer(n, f"receiver {self.incarnation} refused: malformed hello ({exc})")
             return
         if hello is None:
-            logger.warning("%s receiver %s: refused hello %d: it does not carry the fleet's "
-                           "secret", self.kind, self.incarnation, n)
+            logger.warning(
+                "%s receiver %s: refused hello %d: it does not carry the fleet's secret",
+                self.kind,
+                self.incarnation,
+                n,
+            )
             self._answer(n, f"receiver {self.incarnation} {VERDICT_NO_SECRET}")
             return
         diff = self.layout.mismatch(hello.layout)
         if diff is not None:
-            logger.warning("%s receiver %s: refused sender %s, KV layout differs (%s)",
-                           self.kind, self.incarnation, hello.sender_incarnation, diff)
+            logger.warning(
+                "%s receiver %s: refused sender %s, KV layout differs (%s)",
+                self.kind,
+                self.incarnation,
+                hello.sender_incarnation,
+                diff,
+            )
             self._answer(n, f"receiver {self.incarnation} refused: KV layout differs ({diff})")
             return
         with self._pairs_lock:
@@ -283,11 +327,16 @@ class GlooReceiver(LeaseReceiver):
             self._pairs = {k: p for k, p in self._pairs.items() if p.thread.is_alive()}
         for pair in stale:
             self._stop_pair(pair)  # the sender reconnected: its old pair is dead to it
-        thread = threading.Thread(target=self._pair_main, args=(n, hello.sender_incarnation),
-                                  daemon=True, name=f"baton-transfer-{self.kind}-pair-{n}")
+        thread = threading.Thread(
+            target=self._pair_main,
+            args=(n, hello.sender_incarnation),
+            daemon=True,
+            name=f"baton-transfer-{self.kind}-pair-{n}",
+        )
         with self._pairs_lock:
-            self._pairs[n] = _Pair(n, hello.sender_incarnation, thread,
-                                   last_active=time.monotonic())
+            self._pairs[n] = _Pair(
+                n, hello.sender_incarnation, thread, last_active=time.monotonic()
+            )
         thread.start()
         self._answer(n, VERDICT_OK)
 
@@ -304,25 +353,39 @@ class GlooReceiver(LeaseReceiver):
 
         try:
             with self._transfer.active():
-                pg = self.pair_group.make(store, f"{prefix}/pg", RECEIVER_RANK, self._host,
-                                          self.config)
-                self.pair_group.handshake(pg, self.config.connect_timeout_s,
-                                          f"pair {n} with sender {sender}")
+                pg = self.pair_group.make(
+                    store, f"{prefix}/pg", RECEIVER_RANK, self._host, self.config
+                )
+                self.pair_group.handshake(
+                    pg, self.config.connect_timeout_s, f"pair {n} with sender {sender}"
+                )
         except Exception as exc:  # noqa: BLE001 - any failure only ends this pair, typed
-            logger.warning("%s receiver %s: pair %d with sender %s not built: %r", self.kind,
-                           self.incarnation, n, sender, exc)
+            logger.warning(
+                "%s receiver %s: pair %d with sender %s not built: %r",
+                self.kind,
+                self.incarnation,
+                n,
+                sender,
+                exc,
+            )
             # The reason first: the sender may see the group fail as soon as it is let go.
             try:
                 say(f"receiver {self.incarnation} could not build pair {n}: {exc!r}")
             except RuntimeError as store_exc:  # the store is going: the sender times out
-                logger.warning("%s receiver %s: cannot report pair %d: %s", self.kind,
-                               self.incarnation, n, store_exc)
+                logger.warning(
+                    "%s receiver %s: cannot report pair %d: %s",
+                    self.kind,
+                    self.incarnation,
+                    n,
+                    store_exc,
+                )
             if pg is not None:
                 release_failed_group(pg, exc)
             return
         say(READY_OK)
-        logger.info("%s receiver %s: sender %s connected (pair %d)", self.kind,
-                    self.incarnation, sender, n)
+        logger.info(
+            "%s receiver %s: sender %s connected (pair %d)", self.kind, self.incarnation, sender, n
+        )
         jobs = KeySeries(store, lambda seq: job_key(prefix, seq), 0)
         with self._pairs_lock:
             pair = self._pairs[n]
@@ -336,25 +399,35 @@ class GlooReceiver(LeaseReceiver):
                 pair.last_active = time.monotonic()
                 signed = open_job(self.config.fleet_key, prefix, raw)
                 if signed is None:
-                    raise AbortedError(f"job {jobs.position - 1} does not carry the fleet's "
-                                       "secret")
+                    raise AbortedError(f"job {jobs.position - 1} does not carry the fleet's secret")
                 header = JobHeader.from_bytes(signed)
                 if header.seq != jobs.position - 1:
-                    raise AbortedError(f"job header seq {header.seq} under key "
-                                       f"{jobs.position - 1}")
+                    raise AbortedError(f"job header seq {header.seq} under key {jobs.position - 1}")
                 with self._transfer.active():  # NCCL's receive orders after this stream
                     self._receive(pg, header, staging)
         except (BatonError, ValueError) as exc:
-            logger.warning("%s receiver %s: pair %d with sender %s closed: %s", self.kind,
-                           self.incarnation, n, sender, exc)
+            logger.warning(
+                "%s receiver %s: pair %d with sender %s closed: %s",
+                self.kind,
+                self.incarnation,
+                n,
+                sender,
+                exc,
+            )
         except Exception:  # a bug or torch error: the pair is unusable, the receiver lives on
-            logger.exception("%s receiver %s: pair %d with sender %s failed", self.kind,
-                             self.incarnation, n, sender)
+            logger.exception(
+                "%s receiver %s: pair %d with sender %s failed",
+                self.kind,
+                self.incarnation,
+                n,
+                sender,
+            )
         finally:
             del pg
 
-    def _receive(self, pg: dist.ProcessGroup, header: JobHeader,
-                 staging: tuple[Staging, Staging]) -> None:
+    def _receive(
+        self, pg: dist.ProcessGroup, header: JobHeader, staging: tuple[Staging, Staging]
+    ) -> None:
         rid = header.request_id
         lease = self._claim(header)
         if lease is not None:
@@ -377,12 +450,18 @@ class GlooReceiver(LeaseReceiver):
         try:
             message, work = post(0)
             for g, (lo, hi) in enumerate(groups):
-                self.pair_group.wait(work, pg, self.config.stall_timeout_s,
-                                     f"request {rid}: receiving layer group {g}")
+                self.pair_group.wait(
+                    work,
+                    pg,
+                    self.config.stall_timeout_s,
+                    f"request {rid}: receiving layer group {g}",
+                )
                 seq, group, flags, _ = self.pair_group.header(message)
                 if seq != header.seq or group != g:
-                    raise AbortedError(f"request {rid}: got message (seq {seq}, group {group}) "
-                                       f"while expecting (seq {header.seq}, group {g})")
+                    raise AbortedError(
+                        f"request {rid}: got message (seq {seq}, group {group}) "
+                        f"while expecting (seq {header.seq}, group {g})"
+                    )
                 if flags & FLAG_ABORT:
                     if lease is not None:
                         self._end_lease(lease, AbortedError(f"request {rid}: sender aborted"))
@@ -400,8 +479,11 @@ class GlooReceiver(LeaseReceiver):
                     lease = None  # ended meanwhile: keep draining the wire, write nothing
         except Exception as exc:
             if lease is not None:
-                error = exc if isinstance(exc, BatonError) else AbortedError(
-                    f"request {rid}: receive failed: {exc!r}")
+                error = (
+                    exc
+                    if isinstance(exc, BatonError)
+                    else AbortedError(f"request {rid}: receive failed: {exc!r}")
+                )
                 self._end_lease(lease, error)
             raise
         if lease is not None:
@@ -412,8 +494,13 @@ class GlooReceiver(LeaseReceiver):
     def _write(self, payload: torch.Tensor, lo: int, hi: int, index: BlockIndex) -> None:
         """Land one layer group's wire bytes in the leased blocks."""
         if self._host_kv is None:
-            scatter(self._kv, lo, hi, index, payload.view(self._kv.dtype).view(
-                group_shape(self.layout, lo, hi, len(index))))
+            scatter(
+                self._kv,
+                lo,
+                hi,
+                index,
+                payload.view(self._kv.dtype).view(group_shape(self.layout, lo, hi, len(index))),
+            )
             return
         r0, r1 = self._host_kv.rows(lo, hi)
         rows = payload.numpy().reshape(r1 - r0, len(index), self._host_kv.row_bytes)
@@ -456,10 +543,21 @@ class GlooReceiver(LeaseReceiver):
 class GlooLink(PeerLink):
     """A sender's pair group with one receiver incarnation, plus its store connection."""
 
-    def __init__(self, store: dist.TCPStore, pg: dist.ProcessGroup, prefix: str,
-                 incarnation: str, kv: torch.Tensor, layout: KVLayout, config: TransferConfig,
-                 pair_group: PairGroup, address: str, transfer: TransferStream,
-                 fences: FenceBook, sign: FleetKey | None = None) -> None:
+    def __init__(
+        self,
+        store: dist.TCPStore,
+        pg: dist.ProcessGroup,
+        prefix: str,
+        incarnation: str,
+        kv: torch.Tensor,
+        layout: KVLayout,
+        config: TransferConfig,
+        pair_group: PairGroup,
+        address: str,
+        transfer: TransferStream,
+        fences: FenceBook,
+        sign: FleetKey | None = None,
+    ) -> None:
         self.incarnation = incarnation
         self._sign = sign  # the receiver requires tagged job headers
         self._address = address
@@ -488,8 +586,9 @@ class GlooLink(PeerLink):
         n = len(desc.block_ids)
         per_group = layers_per_group(self._layout, n, self._config.group_bytes)
         groups = layer_groups(self._layout.num_layers, per_group)
-        header = JobHeader(self._seq, job.request_id, desc.epoch, desc.lease_token, per_group,
-                           desc.block_ids)
+        header = JobHeader(
+            self._seq, job.request_id, desc.epoch, desc.lease_token, per_group, desc.block_ids
+        )
         self._seq += 1
         src = BlockIndex(job.src_block_ids, self._kv.device)
         tag = message_tag(header.seq)
@@ -603,15 +702,17 @@ class GlooSender(QueuedSender):
         try:
             store = client_store(host, port, budget)
         except RuntimeError as exc:
-            raise UnavailableError(f"receiver store at {endpoint.address} unreachable: {exc}") \
-                from exc
+            raise UnavailableError(
+                f"receiver store at {endpoint.address} unreachable: {exc}"
+            ) from exc
         try:
             return self._handshake(store, endpoint, host, deadline)
         except RuntimeError as exc:
             raise link_error(exc, f"handshake with {endpoint.address}") from exc
 
-    def _handshake(self, store: dist.TCPStore, endpoint: KVEndpoint, host: str,
-                   deadline: float) -> GlooLink:
+    def _handshake(
+        self, store: dist.TCPStore, endpoint: KVEndpoint, host: str, deadline: float
+    ) -> GlooLink:
         key = self.config.fleet_key
         if key is None and store.check([KEY_AUTH]):
             raise PermissionDeniedError(
@@ -626,12 +727,16 @@ class GlooSender(QueuedSender):
             )
         live = sealed.decode()
         if live != endpoint.incarnation:
-            raise UnavailableError(f"{endpoint.address} is receiver {live}, descriptor names "
-                                   f"{endpoint.incarnation} (restarted)")
+            raise UnavailableError(
+                f"{endpoint.address} is receiver {live}, descriptor names "
+                f"{endpoint.incarnation} (restarted)"
+            )
         layout = unseal(key, live, KEY_LAYOUT, store.get(KEY_LAYOUT))
         if layout is None:
-            raise PermissionDeniedError(f"receiver {live} at {endpoint.address}: its layout "
-                                        "record does not carry the fleet's secret")
+            raise PermissionDeniedError(
+                f"receiver {live} at {endpoint.address}: its layout "
+                "record does not carry the fleet's secret"
+            )
         diff = self.layout.mismatch(decode_layout(layout))
         if diff is not None:
             raise LayoutMismatchError(
@@ -649,13 +754,14 @@ class GlooSender(QueuedSender):
         try:
             answer = read_sealed(store, verdict_key(n), key, live, budget)
         except dist.DistStoreError as exc:
-            silent = AbortedError(f"receiver {live} did not answer hello {n} within "
-                                  f"{budget:.1f} s")
+            silent = AbortedError(f"receiver {live} did not answer hello {n} within {budget:.1f} s")
             raise past_deadline(silent, deadline, f"hello {n}") from exc
         store.delete_key(verdict_key(n))
         if answer is None:
-            raise PermissionDeniedError(f"receiver {live}: no verdict on hello {n} carried "
-                                        f"the fleet's secret within {budget:.1f} s")
+            raise PermissionDeniedError(
+                f"receiver {live}: no verdict on hello {n} carried "
+                f"the fleet's secret within {budget:.1f} s"
+            )
         verdict = answer.decode()
         if verdict.endswith(VERDICT_NO_SECRET):
             raise PermissionDeniedError(verdict)
@@ -676,8 +782,9 @@ class GlooSender(QueuedSender):
         pg = None
         try:
             with self._transfer.active():
-                pg = self.pair_group.make(store, f"{prefix}/pg", SENDER_RANK,
-                                          local_address_towards(host), self.config)
+                pg = self.pair_group.make(
+                    store, f"{prefix}/pg", SENDER_RANK, local_address_towards(host), self.config
+                )
                 self.pair_group.handshake(pg, budget, what, refused)
             sealed_answer = read_sealed(store, ready, key, prefix, budget)
         except Exception as exc:
@@ -689,13 +796,33 @@ class GlooSender(QueuedSender):
             reason = refused()  # whatever broke the group, typed
             raise UnavailableError(f"{what}: {reason or repr(exc)}") from exc
         store.delete_key(ready)
-        answer = (f"receiver {live}: no readiness record carried the fleet's secret"
-                  if sealed_answer is None else sealed_answer.decode())
+        answer = (
+            f"receiver {live}: no readiness record carried the fleet's secret"
+            if sealed_answer is None
+            else sealed_answer.decode()
+        )
         if answer != READY_OK:
             release_failed_group(pg, UnavailableError(answer))
             raise UnavailableError(f"{what}: {answer}")
-        logger.info("%s sender %s: joined receiver %s at %s (pair %d)", self.kind,
-                    self.incarnation, live, endpoint.address, n)
-        return GlooLink(store, pg, prefix, live, self.kv_cache, self.layout, self.config,
-                        self.pair_group, endpoint.address, self._transfer, self._fences,
-                        key)
+        logger.info(
+            "%s sender %s: joined receiver %s at %s (pair %d)",
+            self.kind,
+            self.incarnation,
+            live,
+            endpoint.address,
+            n,
+        )
+        return GlooLink(
+            store,
+            pg,
+            prefix,
+            live,
+            self.kv_cache,
+            self.layout,
+            self.config,
+            self.pair_group,
+            endpoint.address,
+            self._transfer,
+            self._fences,
+            key,
+        )

@@ -50,9 +50,12 @@ def contain_nccl_errors() -> None:
     is built, before any NCCL group exists (the setting is read at group creation)."""
     if os.environ.get(ERROR_HANDLING_VAR) != ERROR_HANDLING_PAIR_ONLY:
         if ERROR_HANDLING_VAR in os.environ:
-            logger.warning("%s=%s would let a failed KV transfer kill the worker; using %s",
-                           ERROR_HANDLING_VAR, os.environ[ERROR_HANDLING_VAR],
-                           ERROR_HANDLING_PAIR_ONLY)
+            logger.warning(
+                "%s=%s would let a failed KV transfer kill the worker; using %s",
+                ERROR_HANDLING_VAR,
+                os.environ[ERROR_HANDLING_VAR],
+                ERROR_HANDLING_PAIR_ONLY,
+            )
         os.environ[ERROR_HANDLING_VAR] = ERROR_HANDLING_PAIR_ONLY
 
 
@@ -61,13 +64,15 @@ class NcclPairGroup(PairGroup):
 
     def __init__(self, device: torch.device) -> None:
         if device.type != "cuda" or device.index is None:
-            raise ValueError(f"the nccl transport needs an indexed CUDA device (cuda:N), "
-                             f"got {device}")
+            raise ValueError(
+                f"the nccl transport needs an indexed CUDA device (cuda:N), got {device}"
+            )
         self.device = device
         contain_nccl_errors()
 
-    def make(self, store: dist.Store, prefix: str, rank: int, hostname: str,
-             config: TransferConfig) -> dist.ProcessGroup:
+    def make(
+        self, store: dist.Store, prefix: str, rank: int, hostname: str, config: TransferConfig
+    ) -> dist.ProcessGroup:
         torch.cuda.set_device(self.device)  # NCCL binds the calling thread's device
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timedelta(seconds=group_timeout_s(config))

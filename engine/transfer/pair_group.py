@@ -228,8 +228,9 @@ class PairGroup:
 
     device = torch.device("cpu")  # where staging buffers and the pool live
 
-    def make(self, store: dist.Store, prefix: str, rank: int, hostname: str,
-             config: TransferConfig) -> dist.ProcessGroup:
+    def make(
+        self, store: dist.Store, prefix: str, rank: int, hostname: str, config: TransferConfig
+    ) -> dist.ProcessGroup:
         """Build this side of the group under ``prefix``; ``hostname``: the local address
         the peer can reach us on. Gloo blocks until the other rank joins and raises
         ``RuntimeError`` after the connect timeout (its ops get explicit timeouts)."""
@@ -238,8 +239,13 @@ class PairGroup:
         options._timeout = timedelta(seconds=config.connect_timeout_s)
         return dist.ProcessGroupGloo(rendezvous_store(store, prefix, config), rank, 2, options)
 
-    def handshake(self, pg: dist.ProcessGroup, timeout_s: float, what: str,
-                  give_up: Callable[[], str | None] | None = None) -> None:
+    def handshake(
+        self,
+        pg: dist.ProcessGroup,
+        timeout_s: float,
+        what: str,
+        give_up: Callable[[], str | None] | None = None,
+    ) -> None:
         """One all-reduce of a single element over the new group: returns once both sides'
         group exists and works (NCCL creates its communicator here, not at the first
         transfer). ``give_up`` is polled meanwhile; a reason from it, an expired
@@ -252,8 +258,7 @@ class PairGroup:
             if reason is not None:
                 raise UnavailableError(f"{what}: {reason}")
             if time.monotonic() > deadline:
-                raise AbortedError(f"{what}: the pair group did not form within "
-                                   f"{timeout_s:.1f} s")
+                raise AbortedError(f"{what}: the pair group did not form within {timeout_s:.1f} s")
             time.sleep(_HANDSHAKE_POLL_S)
         try:
             work.wait()
@@ -334,8 +339,6 @@ class KeySeries:
             store.set(self._key_of(self._next), _SENTINEL)
 
 
-
-
 class HelloInbox:
     """The receiver's intake of hellos: each one as soon as it is stored, in any order.
 
@@ -384,8 +387,11 @@ class HelloInbox:
         taken = self._store.add(KEY_HELLO_COUNT, 0)
         first = max(self._seen + 1, taken - _MAX_PENDING_HELLOS + 1)
         if first > self._seen + 1:
-            logger.warning("hellos %d to %d were taken faster than any sender says hello; "
-                           "given up", self._seen + 1, first - 1)
+            logger.warning(
+                "hellos %d to %d were taken faster than any sender says hello; given up",
+                self._seen + 1,
+                first - 1,
+            )
         for n in range(first, taken + 1):
             self._pending[n] = now
         self._seen = max(self._seen, taken)
@@ -401,8 +407,9 @@ class HelloInbox:
                 self._ready.append((n, raw))
             elif now - noticed > self._abandon_s:
                 del self._pending[n]
-                logger.warning("hello %d was taken but never said within %.1f s; given up",
-                               n, self._abandon_s)
+                logger.warning(
+                    "hello %d was taken but never said within %.1f s; given up", n, self._abandon_s
+                )
 
     def interrupt(self, store: dist.TCPStore) -> None:
         """Make ``take`` return None; ``store`` is any connection but the inbox's own."""

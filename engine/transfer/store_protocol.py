@@ -74,8 +74,10 @@ def message_tag(seq: int) -> int:
 
 
 def encode_layout(layout: KVLayout) -> bytes:
-    return (f"{layout.num_layers},{layout.block_size},{layout.num_kv_heads},"
-            f"{layout.head_dim},{layout.dtype}").encode()
+    return (
+        f"{layout.num_layers},{layout.block_size},{layout.num_kv_heads},"
+        f"{layout.head_dim},{layout.dtype}"
+    ).encode()
 
 
 def decode_layout(raw: bytes) -> KVLayout:
@@ -115,8 +117,9 @@ class JobHeader:
     block_ids: tuple[int, ...]  # destination blocks
 
     def to_bytes(self) -> bytes:
-        fixed = _JOB_FIXED.pack(self.seq, self.epoch, self.lease_token, self.layers_per_group,
-                                len(self.block_ids))
+        fixed = _JOB_FIXED.pack(
+            self.seq, self.epoch, self.lease_token, self.layers_per_group, len(self.block_ids)
+        )
         blocks = struct.pack(f"<{len(self.block_ids)}q", *self.block_ids)
         return fixed + blocks + self.request_id.encode()
 
@@ -140,9 +143,7 @@ def sign_hello(key: FleetKey, receiver_incarnation: str, n: int, hello: bytes) -
     return hello + b"|" + tag.hex().encode()
 
 
-def open_hello(
-    key: FleetKey | None, receiver_incarnation: str, n: int, raw: bytes
-) -> Hello | None:
+def open_hello(key: FleetKey | None, receiver_incarnation: str, n: int, raw: bytes) -> Hello | None:
     """The hello in a store value; None when ``key`` is set and the tag is missing or
     wrong. Raises ValueError for a malformed value."""
     if key is None:
