@@ -10,6 +10,7 @@ so a forged one is never acted on.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -141,7 +142,8 @@ def test_the_rendezvous_of_a_pair_group_is_sealed() -> None:
     without the secret, or sealed for another key, is refused before any connect."""
     key = FleetKey(b"fleet-secret-0123456789abcdef")
     server = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=5), wait_for_workers=False)
-    config = dataclasses.replace(SMALL_GROUPS, fleet_key=key)
+    # A forged value is waited past for the connect timeout, then refused.
+    config = dataclasses.replace(SMALL_GROUPS, fleet_key=key, connect_timeout_s=0.2)
     sealed = pair_group.rendezvous_store(server, "baton/pair/a/b/1/pg", config)
     sealed.set("0/0", b"address of rank 0")
     assert sealed.get("0/0") == b"address of rank 0"
@@ -150,6 +152,9 @@ def test_the_rendezvous_of_a_pair_group_is_sealed() -> None:
     raw.set("0/0", b"the intruder's address")
     with pytest.raises(PermissionDeniedError):
         sealed.get("0/0")
+    # Overwritten by the genuine writer while the reader waits: the reader gets it.
+    threading.Timer(0.05, sealed.set, ("0/0", b"address of rank 0")).start()
+    assert sealed.get("0/0") == b"address of rank 0"
     raw.set("0/1", raw.get("0/0"))  # a genuine value replayed under another key
     with pytest.raises(PermissionDeniedError):
         sealed.get("0/1")

@@ -85,31 +85,35 @@ def rendezvous_store(store: dist.Store, prefix: str, config: TransferConfig) -> 
     prefixed = dist.PrefixStore(prefix, store)
     if config.fleet_key is None:
         return prefixed
-    return SealedStore(prefixed, config.fleet_key, prefix)
+    return SealedStore(prefixed, config.fleet_key, prefix, config.connect_timeout_s)
 
 
 class SealedStore(dist.Store):
     """A store whose values are sealed (``store_protocol.seal``) under ``scope``: ``get``
-    returns only what a holder of the fleet's secret ``set`` under that very key and
-    raises ``PermissionDeniedError`` otherwise. Counters (``add``) pass through: they are
-    never trusted for more than a count."""
+    returns only what a holder of the fleet's secret ``set`` under that very key. A forged
+    value is waited past for up to ``patience_s`` (the genuine writer's overwrites it),
+    then ``PermissionDeniedError``. Counters (``add``) pass through: they are never
+    trusted for more than a count."""
 
-    def __init__(self, inner: dist.Store, key: FleetKey, scope: str) -> None:
+    def __init__(self, inner: dist.Store, key: FleetKey, scope: str, patience_s: float) -> None:
         super().__init__()
         self._inner = inner
         self._key = key
         self._scope = scope
+        self._patience_s = patience_s
 
     def set(self, key: str, value: bytes | str) -> None:
         data = value.encode() if isinstance(value, str) else bytes(value)
         self._inner.set(key, seal(self._key, self._scope, key, data))
 
     def get(self, key: str) -> bytes:
-        value = unseal(self._key, self._scope, key, self._inner.get(key))
-        if value is None:
-            raise PermissionDeniedError(
-                f"rendezvous value {key!r} of {self._scope} does not carry the fleet's secret"
-            )
+        end = time.monotonic() + self._patience_s
+        while (value := unseal(self._key, self._scope, key, self._inner.get(key))) is None:
+            if time.monotonic() >= end:
+                raise PermissionDeniedError(
+                    f"rendezvous value {key!r} of {self._scope} does not carry the fleet's secret"
+                )
+            time.sleep(_FORGED_POLL_S)
         return value
 
     def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
