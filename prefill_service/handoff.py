@@ -37,7 +37,9 @@ from opentelemetry.context import Context
 from engine.async_engine import AsyncEngine
 from engine.errors import (
     AbortedError,
+    BatonError,
     CancelledError,
+    DeadlineExceededError,
     LayoutMismatchError,
     PermissionDeniedError,
 )
@@ -168,7 +170,7 @@ class PrefillHandoff:
                 s.set_attribute("baton.kv_bytes", completion.num_bytes)
                 if not completion.ok:
                     assert completion.error is not None
-                    raise completion.error
+                    raise _send_failure(completion.error, remaining, budget)
             assert completion.checksum is not None
             timings = RequestTimings(
                 queued_s=engine_timings.queued_s,
@@ -310,6 +312,15 @@ class _SpanClock:
 
     def now_ns(self) -> int:
         return self.start_ns + int((time.monotonic() - self._start) * 1e9)
+
+
+def _send_failure(error: BatonError, remaining: float | None, budget: float) -> BatonError:
+    """A failed send as decode should see it. Without a client deadline the job's
+    deadline is only our own budget, and running past it means the transfer stalled:
+    ABORTED, which the gateway retries; DEADLINE_EXCEEDED is for the client's deadline."""
+    if remaining is None and isinstance(error, DeadlineExceededError):
+        return AbortedError(f"the transfer did not finish within {budget:.0f} s: {error}")
+    return error
 
 
 def _failure(error: BaseException | None) -> BaseException | None:

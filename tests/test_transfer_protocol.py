@@ -28,6 +28,7 @@ from engine.transfer.base import KVReceiver, KVSender, SendJob, TransferConfig
 from engine.transfer.block_copy import Staging, checksum_blocks
 from engine.transfer.factory import make_receiver, make_sender
 from engine.transfer.store_protocol import (
+    KEY_HELLO_BELL,
     KEY_HELLO_COUNT,
     Hello,
     JobHeader,
@@ -57,7 +58,9 @@ def nothing_left_behind() -> Iterator[None]:
 
 @contextmanager
 def connected(
-    kind: str, layout: KVLayout | None = None, sender_layout: KVLayout | None = None,
+    kind: str,
+    layout: KVLayout | None = None,
+    sender_layout: KVLayout | None = None,
     config: TransferConfig = SMALL_GROUPS,
 ) -> Iterator[tuple[KVSender, KVReceiver, torch.Tensor]]:
     layout = layout or small_layout()
@@ -82,7 +85,9 @@ def deadline(seconds: float = SOON) -> float:
 @pytest.mark.parametrize("kind", KINDS)
 def test_descriptor_with_another_layout_is_refused_at_submit(kind: str) -> None:
     with connected(kind, small_layout(head_dim=16), sender_layout=small_layout()) as (
-        sender, receiver, _,
+        sender,
+        receiver,
+        _,
     ):
         desc = receiver.expect("r", (1,), 1, deadline())
         with pytest.raises(LayoutMismatchError, match=r"head_dim: 8 != 16"):
@@ -111,6 +116,7 @@ def test_gloo_receiver_refuses_a_hello_with_another_layout() -> None:
         store = dist.TCPStore(host, int(port), None, False, timedelta(seconds=5))
         n = store.add(KEY_HELLO_COUNT, 1)
         store.set(hello_key(n), Hello("intruder", small_layout(head_dim=4)).to_bytes())
+        store.set(KEY_HELLO_BELL, b"1")
         store.wait([verdict_key(n)], timedelta(seconds=5))
         verdict = store.get(verdict_key(n)).decode()
         assert "refused" in verdict and "head_dim: 8 != 4" in verdict
@@ -206,7 +212,8 @@ def test_checksum_sees_one_flipped_byte_anywhere_in_the_leased_blocks() -> None:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_sender_checksum_does_not_depend_on_group_bytes(
-    kind: str, monkeypatch: pytest.MonkeyPatch,
+    kind: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     layout = small_layout("bfloat16")
     reported = set()

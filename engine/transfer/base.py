@@ -166,7 +166,8 @@ class RecvCompletion:
 class KVSender(ABC):
     """The prefill side: copies local blocks into a receiver's leased blocks.
 
-    One worker thread per sender moves jobs in submission order. The sender reads the
+    Jobs to one receiver address move in submission order on that address's own worker
+    thread, so a silent receiver never delays jobs to another. The sender reads the
     source blocks until the job's completion is queued; the caller must not free or
     overwrite them before that (in practice: not before decode acknowledges).
     Peer state (mappings, process groups) is cached per receiver address and dropped when

@@ -10,8 +10,12 @@ lease has ended, so late data never reaches reallocated blocks. Control (hello, 
 readiness, job headers) goes through the store; see ``store_protocol``. A link is used
 only after the receiver reports its side of the group built and proven by a handshake;
 every failure on the way is typed, and a failed pair never takes the receiver down.
-With a fleet secret in the config, the receiver admits only senders whose hello (and
-job headers) carry its tag.
+Hellos are taken in any order (``HelloInbox``): a number taken and never used, by a
+sender that died or by anyone who reaches the store, is given up after the connect
+timeout and holds up no one. A sender waits for its verdict at most the connect
+timeout; a silent receiver is ``AbortedError``, retryable. With a fleet secret in the
+config, the receiver admits only senders whose hello (and job headers) carry its tag,
+and each side checks every value it reads from the store (``store_protocol.seal``).
 
 On a GPU (nccl) every copy, send and receive runs on the transport's own stream, after
 the fence of its hand-over (``cuda_stream``): never behind the engine's later kernels.
@@ -59,12 +63,15 @@ from engine.transfer.lease_receiver import Lease, LeaseReceiver
 from engine.transfer.pair_group import (
     RECEIVER_RANK,
     SENDER_RANK,
+    HelloInbox,
     KeySeries,
     PairGroup,
     client_store,
     link_error,
     local_address_towards,
     parse_address,
+    past_deadline,
+    read_sealed,
     release_failed_group,
 )
 from engine.transfer.queued_sender import PeerLink, QueuedSender, StopCheck
@@ -73,6 +80,7 @@ from engine.transfer.store_protocol import (
     FLAG_ABORT,
     GROUP_HEADER_BYTES,
     KEY_AUTH,
+    KEY_HELLO_BELL,
     KEY_HELLO_COUNT,
     KEY_INCARNATION,
     KEY_LAYOUT,
@@ -90,8 +98,10 @@ from engine.transfer.store_protocol import (
     open_job,
     pair_prefix,
     ready_key,
+    seal,
     sign_hello,
     sign_job,
+    unseal,
     verdict_key,
 )
 
@@ -126,12 +136,15 @@ class GlooReceiver(LeaseReceiver):
         device: str = "cpu",
     ) -> None:
         if torch.device(device).type != self.pair_group.device.type:
-            raise ValueError(f"a {self.kind} receiver keeps its pool on "
-                             f"{self.pair_group.device.type}, got device {device!r}")
+            raise ValueError(
+                f"a {self.kind} receiver keeps its pool on "
+                f"{self.pair_group.device.type}, got device {device!r}"
+            )
         super().__init__(layout, num_blocks, config, notify)
         host, port = parse_address(address or "127.0.0.1:0")
-        self._kv = torch.zeros(layout.pool_shape(num_blocks), dtype=torch_dtype(layout),
-                               device=device)
+        self._kv = torch.zeros(
+            layout.pool_shape(num_blocks), dtype=torch_dtype(layout), device=device
+        )
         self._host_kv = HostPool(self._kv) if self._kv.device.type == "cpu" else None
         self._transfer = TransferStream(self._kv.device)
         self._fences = FenceBook(self._transfer)  # per lease token: compute before the lease
@@ -142,21 +155,29 @@ class GlooReceiver(LeaseReceiver):
             raise UnavailableError(f"cannot serve the KV store on {host}:{port}: {exc}") from exc
         self._host = host
         self._port = self._store.port
-        self._store.set(KEY_LAYOUT, encode_layout(layout))
-        self._store.set(KEY_INCARNATION, self.incarnation)
+        key = self.config.fleet_key
+        self._store.set(KEY_LAYOUT, seal(key, self.incarnation, KEY_LAYOUT, encode_layout(layout)))
+        self._store.set(KEY_INCARNATION, seal(key, "", KEY_INCARNATION, self.incarnation.encode()))
         if self.config.fleet_key is not None:
             self._store.set(KEY_AUTH, AUTH_HMAC)
-        self._endpoint = KVEndpoint(self.kind, f"{host}:{self._port}", self.incarnation,
-                                    layout, num_blocks)
+        self._endpoint = KVEndpoint(
+            self.kind, f"{host}:{self._port}", self.incarnation, layout, num_blocks
+        )
         self._pairs_lock = threading.Lock()
         self._pairs: dict[int, _Pair] = {}
-        self._hellos = KeySeries(self._client(), hello_key, 1)
-        self._accept = threading.Thread(target=self._accept_main, daemon=True,
-                                        name=f"baton-transfer-{self.kind}-accept")
+        self._hellos = HelloInbox(self._client(), self.config.connect_timeout_s)
+        self._accept = threading.Thread(
+            target=self._accept_main, daemon=True, name=f"baton-transfer-{self.kind}-accept"
+        )
         self._accept.start()
         self._start_worker()
-        logger.info("%s receiver %s: pool of %d blocks, store at %s", self.kind,
-                    self.incarnation, num_blocks, self._endpoint.address)
+        logger.info(
+            "%s receiver %s: pool of %d blocks, store at %s",
+            self.kind,
+            self.incarnation,
+            num_blocks,
+            self._endpoint.address,
+        )
 
     @property
     def kv_cache(self) -> torch.Tensor:
@@ -190,8 +211,12 @@ class GlooReceiver(LeaseReceiver):
         for pair in pairs:
             pair.thread.join(self.config.stall_timeout_s)
             if pair.thread.is_alive():
-                logger.warning("%s receiver %s: pair %d thread did not stop", self.kind,
-                               self.incarnation, pair.number)
+                logger.warning(
+                    "%s receiver %s: pair %d thread did not stop",
+                    self.kind,
+                    self.incarnation,
+                    pair.number,
+                )
         del self._store  # shuts the store server down
 
     def _check(self, lease: Lease) -> BatonError | None:
@@ -211,8 +236,13 @@ class GlooReceiver(LeaseReceiver):
         with self._pairs_lock:
             gone = [p for p in self._pairs.values() if p.sender == sender_incarnation]
         for pair in gone:
-            logger.info("%s receiver %s: dropping pair %d of departed sender %s", self.kind,
-                        self.incarnation, pair.number, sender_incarnation)
+            logger.info(
+                "%s receiver %s: dropping pair %d of departed sender %s",
+                self.kind,
+                self.incarnation,
+                pair.number,
+                sender_incarnation,
+            )
             self._stop_pair(pair)
 
     def _housekeeping(self) -> None:
@@ -220,14 +250,26 @@ class GlooReceiver(LeaseReceiver):
         # that belongs to a sender that is gone.
         now = time.monotonic()
         with self._pairs_lock:
-            idle = [p for p in self._pairs.values()
-                    if not p.stopped and now - p.last_active > 2 * self.config.peer_idle_s]
+            idle = [
+                p
+                for p in self._pairs.values()
+                if not p.stopped and now - p.last_active > 2 * self.config.peer_idle_s
+            ]
             # Forget pairs whose thread has ended (ident None: not started yet).
-            self._pairs = {k: p for k, p in self._pairs.items()
-                           if p.thread.is_alive() or p.thread.ident is None}
+            self._pairs = {
+                k: p
+                for k, p in self._pairs.items()
+                if p.thread.is_alive() or p.thread.ident is None
+            }
         for pair in idle:
-            logger.info("%s receiver %s: dropping pair %d of sender %s, idle %.0f s", self.kind,
-                        self.incarnation, pair.number, pair.sender, now - pair.last_active)
+            logger.info(
+                "%s receiver %s: dropping pair %d of sender %s, idle %.0f s",
+                self.kind,
+                self.incarnation,
+                pair.number,
+                pair.sender,
+                now - pair.last_active,
+            )
             self._stop_pair(pair)
 
     def _stop_pair(self, pair: _Pair) -> None:
@@ -240,76 +282,110 @@ class GlooReceiver(LeaseReceiver):
     # -- accepting senders ------------------------------------------------------------------
 
     def _accept_main(self) -> None:
-        def skip_abandoned(n: int) -> bool:
-            # A sender that took number n but died before its hello must not block the
-            # ones behind it.
-            return self._store.add(KEY_HELLO_COUNT, 0) > n
+        while (hello := self._hellos.take()) is not None:
+            self._admit(*hello)
 
-        while (raw := self._hellos.take(skip_abandoned)) is not None:
-            self._admit(self._hellos.position - 1, raw)
+    def _answer(self, n: int, verdict: str) -> None:
+        name = verdict_key(n)
+        self._store.set(name, seal(self.config.fleet_key, self.incarnation, name, verdict.encode()))
 
     def _admit(self, n: int, raw: bytes) -> None:
         try:
             hello = open_hello(self.config.fleet_key, self.incarnation, n, raw)
         except (ValueError, UnicodeDecodeError) as exc:
-            logger.warning("%s receiver %s: refused malformed hello %d: %s", self.kind,
-                           self.incarnation, n, exc)
-            self._store.set(verdict_key(n), f"receiver {self.incarnation} refused: "
-                                            f"malformed hello ({exc})")
+            logger.warning(
+                "%s receiver %s: refused malformed hello %d: %s",
+                self.kind,
+                self.incarnation,
+                n,
+                exc,
+            )
+            self._answer(n, f"receiver {self.incarnation} refused: malformed hello ({exc})")
             return
         if hello is None:
-            logger.warning("%s receiver %s: refused hello %d: it does not carry the fleet's "
-                           "secret", self.kind, self.incarnation, n)
-            self._store.set(verdict_key(n), f"receiver {self.incarnation} {VERDICT_NO_SECRET}")
+            logger.warning(
+                "%s receiver %s: refused hello %d: it does not carry the fleet's secret",
+                self.kind,
+                self.incarnation,
+                n,
+            )
+            self._answer(n, f"receiver {self.incarnation} {VERDICT_NO_SECRET}")
             return
         diff = self.layout.mismatch(hello.layout)
         if diff is not None:
-            logger.warning("%s receiver %s: refused sender %s, KV layout differs (%s)",
-                           self.kind, self.incarnation, hello.sender_incarnation, diff)
-            self._store.set(verdict_key(n), f"receiver {self.incarnation} refused: KV layout "
-                                            f"differs ({diff})")
+            logger.warning(
+                "%s receiver %s: refused sender %s, KV layout differs (%s)",
+                self.kind,
+                self.incarnation,
+                hello.sender_incarnation,
+                diff,
+            )
+            self._answer(n, f"receiver {self.incarnation} refused: KV layout differs ({diff})")
             return
         with self._pairs_lock:
             stale = [p for p in self._pairs.values() if p.sender == hello.sender_incarnation]
             self._pairs = {k: p for k, p in self._pairs.items() if p.thread.is_alive()}
         for pair in stale:
             self._stop_pair(pair)  # the sender reconnected: its old pair is dead to it
-        thread = threading.Thread(target=self._pair_main, args=(n, hello.sender_incarnation),
-                                  daemon=True, name=f"baton-transfer-{self.kind}-pair-{n}")
+        thread = threading.Thread(
+            target=self._pair_main,
+            args=(n, hello.sender_incarnation),
+            daemon=True,
+            name=f"baton-transfer-{self.kind}-pair-{n}",
+        )
         with self._pairs_lock:
-            self._pairs[n] = _Pair(n, hello.sender_incarnation, thread,
-                                   last_active=time.monotonic())
+            self._pairs[n] = _Pair(
+                n, hello.sender_incarnation, thread, last_active=time.monotonic()
+            )
         thread.start()
-        self._store.set(verdict_key(n), VERDICT_OK)
+        self._answer(n, VERDICT_OK)
 
     # -- receiving --------------------------------------------------------------------------
 
     def _pair_main(self, n: int, sender: str) -> None:
         prefix = pair_prefix(self.incarnation, sender, n)
+        ready = ready_key(prefix)
         store = self._client()
         pg = None
+
+        def say(answer: str) -> None:
+            store.set(ready, seal(self.config.fleet_key, prefix, ready, answer.encode()))
+
         try:
             with self._transfer.active():
-                pg = self.pair_group.make(store, f"{prefix}/pg", RECEIVER_RANK, self._host,
-                                          self.config)
-                self.pair_group.handshake(pg, self.config.connect_timeout_s,
-                                          f"pair {n} with sender {sender}")
+                pg = self.pair_group.make(
+                    store, f"{prefix}/pg", RECEIVER_RANK, self._host, self.config
+                )
+                self.pair_group.handshake(
+                    pg, self.config.connect_timeout_s, f"pair {n} with sender {sender}"
+                )
         except Exception as exc:  # noqa: BLE001 - any failure only ends this pair, typed
-            logger.warning("%s receiver %s: pair %d with sender %s not built: %r", self.kind,
-                           self.incarnation, n, sender, exc)
+            logger.warning(
+                "%s receiver %s: pair %d with sender %s not built: %r",
+                self.kind,
+                self.incarnation,
+                n,
+                sender,
+                exc,
+            )
             # The reason first: the sender may see the group fail as soon as it is let go.
             try:
-                store.set(ready_key(prefix), f"receiver {self.incarnation} could not build "
-                                             f"pair {n}: {exc!r}")
+                say(f"receiver {self.incarnation} could not build pair {n}: {exc!r}")
             except RuntimeError as store_exc:  # the store is going: the sender times out
-                logger.warning("%s receiver %s: cannot report pair %d: %s", self.kind,
-                               self.incarnation, n, store_exc)
+                logger.warning(
+                    "%s receiver %s: cannot report pair %d: %s",
+                    self.kind,
+                    self.incarnation,
+                    n,
+                    store_exc,
+                )
             if pg is not None:
                 release_failed_group(pg, exc)
             return
-        store.set(ready_key(prefix), READY_OK)
-        logger.info("%s receiver %s: sender %s connected (pair %d)", self.kind,
-                    self.incarnation, sender, n)
+        say(READY_OK)
+        logger.info(
+            "%s receiver %s: sender %s connected (pair %d)", self.kind, self.incarnation, sender, n
+        )
         jobs = KeySeries(store, lambda seq: job_key(prefix, seq), 0)
         with self._pairs_lock:
             pair = self._pairs[n]
@@ -323,25 +399,35 @@ class GlooReceiver(LeaseReceiver):
                 pair.last_active = time.monotonic()
                 signed = open_job(self.config.fleet_key, prefix, raw)
                 if signed is None:
-                    raise AbortedError(f"job {jobs.position - 1} does not carry the fleet's "
-                                       "secret")
+                    raise AbortedError(f"job {jobs.position - 1} does not carry the fleet's secret")
                 header = JobHeader.from_bytes(signed)
                 if header.seq != jobs.position - 1:
-                    raise AbortedError(f"job header seq {header.seq} under key "
-                                       f"{jobs.position - 1}")
+                    raise AbortedError(f"job header seq {header.seq} under key {jobs.position - 1}")
                 with self._transfer.active():  # NCCL's receive orders after this stream
                     self._receive(pg, header, staging)
         except (BatonError, ValueError) as exc:
-            logger.warning("%s receiver %s: pair %d with sender %s closed: %s", self.kind,
-                           self.incarnation, n, sender, exc)
+            logger.warning(
+                "%s receiver %s: pair %d with sender %s closed: %s",
+                self.kind,
+                self.incarnation,
+                n,
+                sender,
+                exc,
+            )
         except Exception:  # a bug or torch error: the pair is unusable, the receiver lives on
-            logger.exception("%s receiver %s: pair %d with sender %s failed", self.kind,
-                             self.incarnation, n, sender)
+            logger.exception(
+                "%s receiver %s: pair %d with sender %s failed",
+                self.kind,
+                self.incarnation,
+                n,
+                sender,
+            )
         finally:
             del pg
 
-    def _receive(self, pg: dist.ProcessGroup, header: JobHeader,
-                 staging: tuple[Staging, Staging]) -> None:
+    def _receive(
+        self, pg: dist.ProcessGroup, header: JobHeader, staging: tuple[Staging, Staging]
+    ) -> None:
         rid = header.request_id
         lease = self._claim(header)
         if lease is not None:
@@ -364,12 +450,18 @@ class GlooReceiver(LeaseReceiver):
         try:
             message, work = post(0)
             for g, (lo, hi) in enumerate(groups):
-                self.pair_group.wait(work, pg, self.config.stall_timeout_s,
-                                     f"request {rid}: receiving layer group {g}")
+                self.pair_group.wait(
+                    work,
+                    pg,
+                    self.config.stall_timeout_s,
+                    f"request {rid}: receiving layer group {g}",
+                )
                 seq, group, flags, _ = self.pair_group.header(message)
                 if seq != header.seq or group != g:
-                    raise AbortedError(f"request {rid}: got message (seq {seq}, group {group}) "
-                                       f"while expecting (seq {header.seq}, group {g})")
+                    raise AbortedError(
+                        f"request {rid}: got message (seq {seq}, group {group}) "
+                        f"while expecting (seq {header.seq}, group {g})"
+                    )
                 if flags & FLAG_ABORT:
                     if lease is not None:
                         self._end_lease(lease, AbortedError(f"request {rid}: sender aborted"))
@@ -387,8 +479,11 @@ class GlooReceiver(LeaseReceiver):
                     lease = None  # ended meanwhile: keep draining the wire, write nothing
         except Exception as exc:
             if lease is not None:
-                error = exc if isinstance(exc, BatonError) else AbortedError(
-                    f"request {rid}: receive failed: {exc!r}")
+                error = (
+                    exc
+                    if isinstance(exc, BatonError)
+                    else AbortedError(f"request {rid}: receive failed: {exc!r}")
+                )
                 self._end_lease(lease, error)
             raise
         if lease is not None:
@@ -399,8 +494,13 @@ class GlooReceiver(LeaseReceiver):
     def _write(self, payload: torch.Tensor, lo: int, hi: int, index: BlockIndex) -> None:
         """Land one layer group's wire bytes in the leased blocks."""
         if self._host_kv is None:
-            scatter(self._kv, lo, hi, index, payload.view(self._kv.dtype).view(
-                group_shape(self.layout, lo, hi, len(index))))
+            scatter(
+                self._kv,
+                lo,
+                hi,
+                index,
+                payload.view(self._kv.dtype).view(group_shape(self.layout, lo, hi, len(index))),
+            )
             return
         r0, r1 = self._host_kv.rows(lo, hi)
         rows = payload.numpy().reshape(r1 - r0, len(index), self._host_kv.row_bytes)
@@ -443,10 +543,21 @@ class GlooReceiver(LeaseReceiver):
 class GlooLink(PeerLink):
     """A sender's pair group with one receiver incarnation, plus its store connection."""
 
-    def __init__(self, store: dist.TCPStore, pg: dist.ProcessGroup, prefix: str,
-                 incarnation: str, kv: torch.Tensor, layout: KVLayout, config: TransferConfig,
-                 pair_group: PairGroup, address: str, transfer: TransferStream,
-                 fences: FenceBook, sign: FleetKey | None = None) -> None:
+    def __init__(
+        self,
+        store: dist.TCPStore,
+        pg: dist.ProcessGroup,
+        prefix: str,
+        incarnation: str,
+        kv: torch.Tensor,
+        layout: KVLayout,
+        config: TransferConfig,
+        pair_group: PairGroup,
+        address: str,
+        transfer: TransferStream,
+        fences: FenceBook,
+        sign: FleetKey | None = None,
+    ) -> None:
         self.incarnation = incarnation
         self._sign = sign  # the receiver requires tagged job headers
         self._address = address
@@ -475,8 +586,9 @@ class GlooLink(PeerLink):
         n = len(desc.block_ids)
         per_group = layers_per_group(self._layout, n, self._config.group_bytes)
         groups = layer_groups(self._layout.num_layers, per_group)
-        header = JobHeader(self._seq, job.request_id, desc.epoch, desc.lease_token, per_group,
-                           desc.block_ids)
+        header = JobHeader(
+            self._seq, job.request_id, desc.epoch, desc.lease_token, per_group, desc.block_ids
+        )
         self._seq += 1
         src = BlockIndex(job.src_block_ids, self._kv.device)
         tag = message_tag(header.seq)
@@ -487,12 +599,12 @@ class GlooLink(PeerLink):
 
         def wait_oldest() -> None:
             remaining = min(self._config.stall_timeout_s, job.deadline - time.monotonic())
+            what = f"request {job.request_id}: sending"
             try:
-                self._pair_group.wait(inflight.popleft(), pg, remaining,
-                                      f"request {job.request_id}: sending")
-            except BatonError:
+                self._pair_group.wait(inflight.popleft(), pg, remaining, what)
+            except BatonError as exc:
                 self.broken = True
-                raise
+                raise past_deadline(exc, job.deadline, what) from exc
 
         raw = header.to_bytes()
         if self._sign is not None:
@@ -590,44 +702,67 @@ class GlooSender(QueuedSender):
         try:
             store = client_store(host, port, budget)
         except RuntimeError as exc:
-            raise UnavailableError(f"receiver store at {endpoint.address} unreachable: {exc}") \
-                from exc
+            raise UnavailableError(
+                f"receiver store at {endpoint.address} unreachable: {exc}"
+            ) from exc
         try:
             return self._handshake(store, endpoint, host, deadline)
         except RuntimeError as exc:
             raise link_error(exc, f"handshake with {endpoint.address}") from exc
 
-    def _handshake(self, store: dist.TCPStore, endpoint: KVEndpoint, host: str,
-                   deadline: float) -> GlooLink:
-        live = store.get(KEY_INCARNATION).decode()
+    def _handshake(
+        self, store: dist.TCPStore, endpoint: KVEndpoint, host: str, deadline: float
+    ) -> GlooLink:
+        key = self.config.fleet_key
+        if key is None and store.check([KEY_AUTH]):
+            raise PermissionDeniedError(
+                f"receiver {endpoint.incarnation} at {endpoint.address} admits only senders "
+                "holding the fleet's secret, and this one has none (--fleet-secret-file)"
+            )
+        sealed = unseal(key, "", KEY_INCARNATION, store.get(KEY_INCARNATION))
+        if sealed is None:
+            raise PermissionDeniedError(
+                f"the receiver at {endpoint.address} does not prove it holds the fleet's "
+                "secret (its incarnation record is not sealed with it)"
+            )
+        live = sealed.decode()
         if live != endpoint.incarnation:
-            raise UnavailableError(f"{endpoint.address} is receiver {live}, descriptor names "
-                                   f"{endpoint.incarnation} (restarted)")
-        diff = self.layout.mismatch(decode_layout(store.get(KEY_LAYOUT)))
+            raise UnavailableError(
+                f"{endpoint.address} is receiver {live}, descriptor names "
+                f"{endpoint.incarnation} (restarted)"
+            )
+        layout = unseal(key, live, KEY_LAYOUT, store.get(KEY_LAYOUT))
+        if layout is None:
+            raise PermissionDeniedError(
+                f"receiver {live} at {endpoint.address}: its layout "
+                "record does not carry the fleet's secret"
+            )
+        diff = self.layout.mismatch(decode_layout(layout))
         if diff is not None:
             raise LayoutMismatchError(
                 f"receiver {live} at {endpoint.address} has a different KV layout ({diff})"
             )
-        key = self.config.fleet_key
-        auth = store.check([KEY_AUTH])
-        if auth and key is None:
-            raise PermissionDeniedError(
-                f"receiver {live} at {endpoint.address} admits only senders holding the "
-                "fleet's secret, and this one has none (--fleet-secret-file)"
-            )
         n = store.add(KEY_HELLO_COUNT, 1)
         hello = Hello(self.incarnation, self.layout).to_bytes()
-        if auth:
-            assert key is not None
+        if key is not None:
             hello = sign_hello(key, live, n, hello)
         store.set(hello_key(n), hello)
+        store.set(KEY_HELLO_BELL, b"1")  # wakes the receiver whatever our number
+        # Bounded by the connect timeout, not the job's deadline: a receiver that does not
+        # answer is a silent peer (retryable), and this lane may hold other jobs to it.
+        budget = min(self.config.connect_timeout_s, deadline - time.monotonic())
         try:
-            store.wait([verdict_key(n)],
-                       timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+            answer = read_sealed(store, verdict_key(n), key, live, budget)
         except dist.DistStoreError as exc:
-            raise DeadlineExceededError(f"receiver {live} did not answer hello {n}") from exc
-        verdict = store.get(verdict_key(n)).decode()
+            silent = AbortedError(f"receiver {live} did not answer hello {n} within {budget:.1f} s")
+            raise past_deadline(silent, deadline, f"hello {n}") from exc
         store.delete_key(verdict_key(n))
+        if answer is None:
+            raise PermissionDeniedError(
+                f"receiver {live}: no verdict on hello {n} carried "
+                f"the fleet's secret within {budget:.1f} s"
+            )
+        verdict = answer.decode()
         if verdict.endswith(VERDICT_NO_SECRET):
             raise PermissionDeniedError(verdict)
         if verdict != VERDICT_OK:
@@ -638,33 +773,56 @@ class GlooSender(QueuedSender):
         def refused() -> str | None:
             if not store.check([ready]):
                 return None
-            answer = store.get(ready).decode()
-            return None if answer == READY_OK else answer
+            answer = unseal(key, prefix, ready, store.get(ready))
+            # A forged answer is no answer: the receiver's own overwrites it.
+            return None if answer is None or answer == READY_OK.encode() else answer.decode()
 
         what = f"pair {n} with receiver {live}"
         budget = max(min(self.config.connect_timeout_s, deadline - time.monotonic()), 0.001)
         pg = None
         try:
             with self._transfer.active():
-                pg = self.pair_group.make(store, f"{prefix}/pg", SENDER_RANK,
-                                          local_address_towards(host), self.config)
+                pg = self.pair_group.make(
+                    store, f"{prefix}/pg", SENDER_RANK, local_address_towards(host), self.config
+                )
                 self.pair_group.handshake(pg, budget, what, refused)
-            store.wait([ready], timedelta(seconds=budget))
+            sealed_answer = read_sealed(store, ready, key, prefix, budget)
         except Exception as exc:
             if pg is not None:
                 release_failed_group(pg, exc)
                 pg = None
             if isinstance(exc, BatonError):
-                raise
+                raise past_deadline(exc, deadline, what) from exc
             reason = refused()  # whatever broke the group, typed
             raise UnavailableError(f"{what}: {reason or repr(exc)}") from exc
-        answer = store.get(ready).decode()
         store.delete_key(ready)
+        answer = (
+            f"receiver {live}: no readiness record carried the fleet's secret"
+            if sealed_answer is None
+            else sealed_answer.decode()
+        )
         if answer != READY_OK:
             release_failed_group(pg, UnavailableError(answer))
             raise UnavailableError(f"{what}: {answer}")
-        logger.info("%s sender %s: joined receiver %s at %s (pair %d)", self.kind,
-                    self.incarnation, live, endpoint.address, n)
-        return GlooLink(store, pg, prefix, live, self.kv_cache, self.layout, self.config,
-                        self.pair_group, endpoint.address, self._transfer, self._fences,
-                        key if auth else None)
+        logger.info(
+            "%s sender %s: joined receiver %s at %s (pair %d)",
+            self.kind,
+            self.incarnation,
+            live,
+            endpoint.address,
+            n,
+        )
+        return GlooLink(
+            store,
+            pg,
+            prefix,
+            live,
+            self.kv_cache,
+            self.layout,
+            self.config,
+            self.pair_group,
+            endpoint.address,
+            self._transfer,
+            self._fences,
+            key,
+        )

@@ -24,11 +24,17 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from engine.errors import DeadlineExceededError
+from engine.errors import AbortedError
 from engine.kv_layout import KVLayout
 from engine.transfer.base import Notify, TransferConfig
 from engine.transfer.gloo import GlooReceiver, GlooSender
-from engine.transfer.pair_group import PairGroup, abort_group, group_timeout_s, link_error
+from engine.transfer.pair_group import (
+    PairGroup,
+    abort_group,
+    group_timeout_s,
+    link_error,
+    rendezvous_store,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -44,9 +50,12 @@ def contain_nccl_errors() -> None:
     is built, before any NCCL group exists (the setting is read at group creation)."""
     if os.environ.get(ERROR_HANDLING_VAR) != ERROR_HANDLING_PAIR_ONLY:
         if ERROR_HANDLING_VAR in os.environ:
-            logger.warning("%s=%s would let a failed KV transfer kill the worker; using %s",
-                           ERROR_HANDLING_VAR, os.environ[ERROR_HANDLING_VAR],
-                           ERROR_HANDLING_PAIR_ONLY)
+            logger.warning(
+                "%s=%s would let a failed KV transfer kill the worker; using %s",
+                ERROR_HANDLING_VAR,
+                os.environ[ERROR_HANDLING_VAR],
+                ERROR_HANDLING_PAIR_ONLY,
+            )
         os.environ[ERROR_HANDLING_VAR] = ERROR_HANDLING_PAIR_ONLY
 
 
@@ -55,24 +64,26 @@ class NcclPairGroup(PairGroup):
 
     def __init__(self, device: torch.device) -> None:
         if device.type != "cuda" or device.index is None:
-            raise ValueError(f"the nccl transport needs an indexed CUDA device (cuda:N), "
-                             f"got {device}")
+            raise ValueError(
+                f"the nccl transport needs an indexed CUDA device (cuda:N), got {device}"
+            )
         self.device = device
         contain_nccl_errors()
 
-    def make(self, store: dist.Store, prefix: str, rank: int, hostname: str,
-             config: TransferConfig) -> dist.ProcessGroup:
+    def make(
+        self, store: dist.Store, prefix: str, rank: int, hostname: str, config: TransferConfig
+    ) -> dist.ProcessGroup:
         torch.cuda.set_device(self.device)  # NCCL binds the calling thread's device
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timedelta(seconds=group_timeout_s(config))
-        return dist.ProcessGroupNCCL(dist.PrefixStore(prefix, store), rank, 2, options)
+        return dist.ProcessGroupNCCL(rendezvous_store(store, prefix, config), rank, 2, options)
 
     def wait(self, work: dist.Work, pg: dist.ProcessGroup, timeout_s: float, what: str) -> None:
         deadline = time.monotonic() + timeout_s
         while not work.is_completed():
             if time.monotonic() > deadline:
                 abort_group(pg)  # the pair cannot be trusted with a half-done operation
-                raise DeadlineExceededError(f"{what}: timed out after {timeout_s:.1f} s")
+                raise AbortedError(f"{what}: the peer went silent for {timeout_s:.1f} s")
             time.sleep(_POLL_S)
         try:
             work.wait()

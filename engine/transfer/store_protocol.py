@@ -1,16 +1,23 @@
 """The control messages of the process-group transports (gloo, nccl), and their store keys.
 
 Control travels through the receiver's TCPStore, data through a 2-rank process group.
-A sender says hello (its incarnation and layout); the receiver answers with a verdict
-and both build a pair group under a prefix naming both incarnations and the hello
-number, prove it with one all-reduce, and the receiver then says whether its side of
-the group exists (``ready_key``): a link is usable only after that second answer.
+A sender takes a hello number (``KEY_HELLO_COUNT``), says hello (its incarnation and
+layout) under it and rings ``KEY_HELLO_BELL``; the receiver takes hellos in any order,
+gives up on a number left without a hello, and answers each with a verdict. Both then
+build a pair group under a prefix naming both incarnations and the hello number, prove
+it with one all-reduce, and the receiver then says whether its side of the group exists
+(``ready_key``): a link is usable only after that second answer.
 Each job is announced by a ``JobHeader`` under ``job/<seq>``; its layer groups follow
 on the group, each message prefixed by ``GROUP_HEADER_BYTES`` (seq, group index, flags,
 payload bytes) so that a message can never be taken for another job's.
-With a fleet secret (``fleet_auth``) the receiver sets ``KEY_AUTH`` and accepts only a
-hello and job headers tagged with it, so a process that can reach the store but lacks the
-secret never gets a pair group, nor announces a job on one.
+The store is a plain TCP key-value store that anyone who reaches it can write. With a
+fleet secret (``fleet_auth``) the receiver sets ``KEY_AUTH`` and accepts only a hello and
+job headers tagged with it, and every value a peer reads is checked before use: the
+sender's hello and job headers carry their tags (``sign_hello``, ``sign_job``), and the
+receiver's incarnation, layout, verdicts and readiness, and both sides' process-group
+rendezvous (rank addresses, NCCL's unique id) are sealed (``seal``/``unseal``) over the
+key they are stored under and the receiver or pair they belong to, so they can be
+neither forged nor replayed elsewhere.
 Torch-free; fixed binary encodings, never pickles.
 """
 
@@ -25,6 +32,9 @@ from engine.transfer.fleet_auth import TAG_BYTES, FleetKey
 KEY_INCARNATION = "baton/incarnation"
 KEY_LAYOUT = "baton/layout"
 KEY_HELLO_COUNT = "baton/hello_count"
+# Set by a sender after its hello, so that a receiver idling on it wakes for every new
+# hello whatever its number (the value means nothing; the receiver deletes it).
+KEY_HELLO_BELL = "baton/hello_bell"
 # Set (to AUTH_HMAC) by a receiver that admits only senders holding the fleet's secret:
 # their hello and job headers then carry a tag (fleet_auth) after a separator.
 KEY_AUTH = "baton/auth"
@@ -64,8 +74,10 @@ def message_tag(seq: int) -> int:
 
 
 def encode_layout(layout: KVLayout) -> bytes:
-    return (f"{layout.num_layers},{layout.block_size},{layout.num_kv_heads},"
-            f"{layout.head_dim},{layout.dtype}").encode()
+    return (
+        f"{layout.num_layers},{layout.block_size},{layout.num_kv_heads},"
+        f"{layout.head_dim},{layout.dtype}"
+    ).encode()
 
 
 def decode_layout(raw: bytes) -> KVLayout:
@@ -105,8 +117,9 @@ class JobHeader:
     block_ids: tuple[int, ...]  # destination blocks
 
     def to_bytes(self) -> bytes:
-        fixed = _JOB_FIXED.pack(self.seq, self.epoch, self.lease_token, self.layers_per_group,
-                                len(self.block_ids))
+        fixed = _JOB_FIXED.pack(
+            self.seq, self.epoch, self.lease_token, self.layers_per_group, len(self.block_ids)
+        )
         blocks = struct.pack(f"<{len(self.block_ids)}q", *self.block_ids)
         return fixed + blocks + self.request_id.encode()
 
@@ -130,9 +143,7 @@ def sign_hello(key: FleetKey, receiver_incarnation: str, n: int, hello: bytes) -
     return hello + b"|" + tag.hex().encode()
 
 
-def open_hello(
-    key: FleetKey | None, receiver_incarnation: str, n: int, raw: bytes
-) -> Hello | None:
+def open_hello(key: FleetKey | None, receiver_incarnation: str, n: int, raw: bytes) -> Hello | None:
     """The hello in a store value; None when ``key`` is set and the tag is missing or
     wrong. Raises ValueError for a malformed value."""
     if key is None:
@@ -158,3 +169,26 @@ def open_job(key: FleetKey | None, prefix: str, raw: bytes) -> bytes | None:
         return raw
     tag, header = raw[:TAG_BYTES], raw[TAG_BYTES:]
     return header if key.check(tag, "baton/gloo-job", prefix, header) else None
+
+
+_SEAL_PURPOSE = "baton/gloo-store"
+
+
+def seal(key: FleetKey | None, scope: str, name: str, value: bytes) -> bytes:
+    """``value`` as stored under key ``name`` by a holder of the fleet's secret: tagged over
+    ``scope`` (the receiver incarnation or pair prefix it belongs to), ``name`` and the
+    value. Without a key, the value itself."""
+    if key is None:
+        return value
+    return key.tag(_SEAL_PURPOSE, scope, name, value) + value
+
+
+def unseal(key: FleetKey | None, scope: str, name: str, raw: bytes) -> bytes | None:
+    """The value ``seal`` stored under ``name`` for ``scope``; None when ``key`` is set and
+    the tag is missing or wrong (a forged value, or one replayed from another key)."""
+    if key is None:
+        return raw
+    tag, value = raw[:TAG_BYTES], raw[TAG_BYTES:]
+    if len(tag) < TAG_BYTES or not key.check(tag, _SEAL_PURPOSE, scope, name, value):
+        return None
+    return value
