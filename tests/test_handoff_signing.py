@@ -437,7 +437,7 @@ def _decode_handoff(
         links.append(_SigningPrefill(rig, tamper))
         return links[-1]
 
-    return DecodeHandoff(rig.engine, rig.inbox, HandoffLimits(STALL_S, 1.0), open_link, KEY)
+    return DecodeHandoff(rig.engine, rig.inbox, HandoffLimits(STALL_S), open_link, KEY)
 
 
 async def test_decode_acts_on_no_event_altered_after_signing(

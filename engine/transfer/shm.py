@@ -477,7 +477,7 @@ class ShmSender(QueuedSender):
         super().close()
         # Only once nothing can write: a missing lock file reads as a dead sender, whose
         # claims receivers clear. Otherwise the lock goes with the process.
-        if not self._worker.is_alive():
+        if not any(thread.is_alive() for thread in self._threads):
             self._writer_lock.close()
 
     def _connect(self, endpoint: KVEndpoint, deadline: float) -> PeerLink:
