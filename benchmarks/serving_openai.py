@@ -6,7 +6,8 @@ openai``, which neither project tuned for the other: the same W1-like prompts (t
 ``--limit`` W1 requests, their prompt ids decoded to text with the model's tokenizer,
 each with its W1 output length and EOS ignored), the same Poisson rates, the same seed.
 It reports throughput, TTFT and ITL (p50 and p99) per server and rate, baton/vLLM
-ratios, and a plot.
+ratios, and a plot (where matplotlib, the ``bench`` extra, is installed; the tables are
+written first either way).
 
 Both servers get the same model directory (safetensors), dtype, max_model_len and KV
 space, prefix caching off (every rate reuses the prompts), and the same cores: vLLM its
@@ -46,6 +47,7 @@ from benchmarks.machine_load import LoadWatch
 from benchmarks.openai_load import CLIENT_NAME as BUILTIN_CLIENT
 from benchmarks.openai_load import percentile
 from benchmarks.peers import vllm_cpu
+from benchmarks.plotting import draw_or_explain
 from benchmarks.serving import ServingConfig, serving_configs
 from benchmarks.serving_openai_report import METRICS, VLLM_LABEL, busy_legs, render, write_plot
 
@@ -426,12 +428,15 @@ def main(argv: list[str] | None = None) -> Path:
     )
     opts.results_dir.mkdir(parents=True, exist_ok=True)
     stem = opts.results_dir / f"serving_openai_{now:%Y-%m-%d}{opts.tag}"
-    stem.with_suffix(".json").write_text(json.dumps(raw, indent=1) + "\n")
-    if opts.plots:
-        png = write_plot(raw, stem.with_name(stem.name + ".png"))
-        text += f"\nPlot: `{png.name}`\n"
     md = stem.with_suffix(".md")
+    # The tables first: a plot that fails (no matplotlib) must not cost the run's figures.
+    stem.with_suffix(".json").write_text(json.dumps(raw, indent=1) + "\n")
     md.write_text(text)
+    if opts.plots:
+        png = stem.with_name(stem.name + ".png")
+        if draw_or_explain(lambda: write_plot(raw, png), f"the tables are in {md}") is not None:
+            text += f"\nPlot: `{png.name}`\n"
+            md.write_text(text)
     print(text, flush=True)
     return md
 

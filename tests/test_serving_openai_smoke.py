@@ -134,6 +134,28 @@ def test_vllms_client_is_used_only_where_its_environment_can_run_it(
             serving_openai._options(serving_openai._parser().parse_args(["--client", "vllm"]))
 
 
+def test_without_matplotlib_the_tables_are_written_and_one_line_says_why(
+    tmp_path: Path, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as without the bench extra
+    # Made-up legs: what matters here is what happens after them.
+    legs = [_leg("baton a (single-process)", 4.0, 0.0, 1.0)]
+    monkeypatch.setattr(serving_openai, "run_baton", lambda *args: legs)
+    rows = [{"prompt_tokens": 24, "output_tokens": 5}]
+    monkeypatch.setattr(serving_openai, "write_dataset", lambda *args: rows)
+    md = serving_openai.main([
+        "--model", str(tiny_llama), "--client", "builtin", "--limit", "1", "--rates", "4",
+        "--results-dir", str(tmp_path),
+    ])  # fmt: skip
+    assert "| baton a (single-process) | 4 |" in md.read_text() and "Plot:" not in md.read_text()
+    assert json.loads(md.with_suffix(".json").read_text())["legs"][0]["rate"] == 4.0
+    assert not list(tmp_path.glob("*.png"))
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("no plot: matplotlib is not installed") and str(md) in line
+    assert "pip install -e '.[bench]'" in line
+
+
 def _leg(server: str, rate: float, others: float, scale: float) -> dict:
     return {
         "server": server, "rate": rate, "completed": 3, "request_throughput": 1.0 * scale,
