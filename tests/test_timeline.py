@@ -115,7 +115,9 @@ async def test_the_engine_loop_schedules_the_next_step_under_the_current_forward
 
     core.runner._forward = slow  # type: ignore[method-assign]
     tl = Timeline("worker")
-    engine = AsyncEngine(core, timeline=tl)
+    # The overlapping loop, asked for: left to itself the engine runs serially wherever the
+    # forward's team holds every core (as on a 2-core host), and then nothing overlaps.
+    engine = AsyncEngine(core, timeline=tl, overlap=True)
     await engine.start()
     try:
         params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
