@@ -1,5 +1,5 @@
 """Plots are optional: matplotlib comes with the ``bench`` extra, which ``.ci/setup.sh``
-does not install.
+installs but an environment set up some other way may lack.
 
 Every benchmark writes its tables and results files first and draws afterwards through
 :func:`draw_or_explain`, so that a missing matplotlib costs the pictures and nothing
