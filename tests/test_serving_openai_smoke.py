@@ -124,6 +124,7 @@ def test_vllms_client_is_used_only_where_its_environment_can_run_it(
     reason: str | None,
 ) -> None:  # fmt: skip
     monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("PYTHONPATH", raising=False)  # only the fake environment's packages
     if modules is not None:
         python = _fake_vllm_env(tmp_path, *modules)
         assert vllm_cpu.default_python() == python
