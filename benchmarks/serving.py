@@ -18,7 +18,8 @@ Configurations (every worker kind is pinned, and gets one compute thread per cor
 - d: disaggregated over gloo, sharing all cores (optional).
 
 It prints markdown tables with pass/fail lines against the targets, and writes them, the
-raw JSON and PNG plots (`benchmarks.serving_plots`) to ``benchmarks/results/``.
+raw JSON and then PNG plots (`benchmarks.serving_plots`, where matplotlib, the ``bench``
+extra, is installed) to ``benchmarks/results/``.
 
     python -m benchmarks.serving [--limit N] [--rate R] [--configs a,b,c] [--skip-offline]
         [--skip-online] [--dtype bfloat16]
@@ -43,6 +44,7 @@ from typing import Any
 
 from benchmarks import common
 from benchmarks.common import RunResult, RunSpec, W1Request
+from benchmarks.plotting import draw_or_explain
 
 logger = logging.getLogger(__name__)
 
@@ -784,14 +786,19 @@ def main(argv: list[str] | None = None) -> Path:
     # Quick runs get their own names so they never overwrite a full run's files.
     stem = f"serving_{now:%Y-%m-%d}" + (f"_limit{opts.limit}" if opts.limit else "")
     md = opts.results_dir / f"{stem}.md"
+    # The tables first: a plot that fails (no matplotlib) must not cost the run's figures.
     (opts.results_dir / f"{stem}.json").write_text(json.dumps(raw, indent=2) + "\n")
+    md.write_text(text)
     if opts.plots:
         from benchmarks.serving_plots import write_plots
 
-        pngs = write_plots(raw, opts.results_dir / stem)
-        text += "\nPlots: " + ", ".join(f"`{p.name}`" for p in pngs) + "\n"
+        drawn = draw_or_explain(
+            lambda: write_plots(raw, opts.results_dir / stem), f"the tables are in {md}"
+        )
+        if drawn:
+            text += "\nPlots: " + ", ".join(f"`{p.name}`" for p in drawn) + "\n"
+            md.write_text(text)
     print(text, flush=True)
-    md.write_text(text)
     print(f"wrote {md} and {md.with_suffix('.json')}")
     return md
 

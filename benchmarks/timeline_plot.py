@@ -6,7 +6,9 @@ requests at t = 0 through the gateway, stops the deployment (which writes the fi
 merges the two Chrome traces into one (open it in https://ui.perfetto.dev) and draws a
 PNG: a row per track of each worker, a bar per span, coloured by span; the whole run
 above and a ``--zoom-s`` window below, where single steps and the KV sends between them
-can be seen. Files already written can be drawn again with ``--from-files``.
+can be seen. The merged trace and a markdown report are written before the PNG, which
+needs matplotlib (the ``bench`` extra): without it one line says so and the rest stays.
+Files already written can be drawn again with ``--from-files``.
 
     python -m benchmarks.timeline_plot [--limit 16] [--zoom-s 0.5]
     python -m benchmarks.timeline_plot --from-files prefill.json decode.json --out x.png
@@ -28,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import common
+from benchmarks.plotting import draw_or_explain
 from gateway.launcher import ClusterSpec, LocalCluster
 
 logger = logging.getLogger(__name__)
@@ -202,7 +205,11 @@ def main(argv: list[str] | None = None) -> Path:
     command = " ".join(sys.argv[1:] if argv is None else argv)
     if a.from_files:
         trace = merge(a.from_files)
-        return draw(trace, out, f"engine timeline: {', '.join(map(str, a.from_files))}", a.zoom_s)
+        title = f"engine timeline: {', '.join(map(str, a.from_files))}"
+        drawn = draw_or_explain(lambda: draw(trace, out, title, a.zoom_s), "nothing drawn")
+        if drawn is None:
+            raise SystemExit(1)  # drawing is all this mode does; the line above said why
+        return drawn
     from engine.model_files import resolve_model
 
     model_dir = resolve_model(a.model).path
@@ -217,21 +224,30 @@ def main(argv: list[str] | None = None) -> Path:
         f" {a.dtype}: first {a.limit} W1 requests at t = 0, {info['wall_s']:.1f} s;"
         f" load average {load:.2f} before"
     )
-    draw(trace, out, title, a.zoom_s)
+    # The trace and the report first: a picture that fails (no matplotlib) must not cost
+    # the run; the report gains its picture once the PNG exists.
     trace_path = Path(tempfile.gettempdir()) / f"{stem.name}.trace.json"
     trace_path.write_text(json.dumps(trace))
     md = out.with_suffix(".md")
-    md.write_text(
+    head = (
         f"# Engine timeline of a short W1 run, {now:%Y-%m-%d %H:%M}\n\n"
         f"Command: `python -m benchmarks.timeline_plot {command}` ({time.monotonic() - started:.0f}"
         f" s in all).  \n{title}.  \n{info['prompt_tokens']} prompt tokens,"
-        f" {info['output_tokens']} output tokens.\n\n![timeline]({out.name})\n\n"
+        f" {info['output_tokens']} output tokens.\n\n"
+    )
+    rows = (
         "Rows: each worker's engine loop (schedule / wait / update), runner (prepare / forward"
         " / sample), the prefill worker's KV sends and the decode worker's verifies, and the"
         " decode worker's leases (granted to ended, one per request, overlapping).\n"
     )
+    md.write_text(head + rows)
+    written = f"the trace is in {trace_path} (open in ui.perfetto.dev), the report in {md}"
+    png = draw_or_explain(lambda: draw(trace, out, title, a.zoom_s), written)
+    if png is None:
+        return md
+    md.write_text(f"{head}![timeline]({out.name})\n\n{rows}")
     print(f"wrote {out} and {md}; merged trace (open in ui.perfetto.dev): {trace_path}")
-    return out
+    return png
 
 
 if __name__ == "__main__":

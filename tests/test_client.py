@@ -8,8 +8,6 @@ gateway serves from this test's event loop.
 from __future__ import annotations
 
 import asyncio
-import shutil
-import subprocess
 import threading
 from pathlib import Path
 
@@ -30,6 +28,7 @@ from protos.client import (
 from protos.client import errors as client_errors
 from protos.client.cli import main as cli_main
 from protos.client.messages import generate_request
+from tests.certs import CertAuthority
 from tests.fake_gateway import FakeGateway, fake_gateway
 
 USAGE = Usage(prompt_tokens=3, completion_tokens=3, cached_tokens=1)
@@ -149,23 +148,10 @@ async def test_metadata_is_sent_with_every_call() -> None:
     assert len(gateway.metadata) == 3
 
 
-def _self_signed(tmp_path: Path) -> tuple[bytes, bytes]:
-    """(certificate, key) for "localhost", made with the openssl command line."""
-    if shutil.which("openssl") is None:
-        pytest.skip("the openssl command is not installed: no certificate for the TLS test")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256"]
-        + ["-nodes", "-days", "1", "-subj", "/CN=localhost"]
-        + ["-addext", "subjectAltName=DNS:localhost", "-keyout", str(key), "-out", str(cert)],
-        check=True,
-        capture_output=True,
-    )
-    return cert.read_bytes(), key.read_bytes()
-
-
 async def test_credentials_make_a_tls_channel(tmp_path: Path) -> None:
-    cert, key = _self_signed(tmp_path)
+    # Certificates made in this process (tests/certs.py): no openssl command on the host.
+    server_id = CertAuthority(tmp_path).issue("server")
+    key, cert = server_id.key.read_bytes(), server_id.cert.read_bytes()
     gateway = FakeGateway()
     server = grpc.aio.server()
     generate_pb2_grpc.add_BatonServicer_to_server(gateway, server)
@@ -173,7 +159,7 @@ async def test_credentials_make_a_tls_channel(tmp_path: Path) -> None:
     await server.start()
     try:
         address = f"localhost:{port}"
-        creds = grpc.ssl_channel_credentials(root_certificates=cert)
+        creds = grpc.ssl_channel_credentials(root_certificates=server_id.ca.read_bytes())
         async with AsyncClient(address, credentials=creds) as client:
             assert (await client.complete(text="x")).text == "Hello!"
         text = await asyncio.to_thread(

@@ -3,11 +3,12 @@
 Every mode and several value sets render with the Helm v4 SDK and every object validates
 strictly against a recent Kubernetes schema (the two CRDs the chart may render,
 ServiceMonitor and KEDA's ScaledObject, against schemas of the fields the chart uses);
-the overlays build with ``kubectl kustomize`` and validate the same way; the YAML lints;
-golden renders of the example values and the kustomize base do not drift; every rendered
-container command and environment passes its service's real configuration parser, and
-the ports of probes, Services and NetworkPolicies are the ones the containers listen on.
-What each value changes is asserted in tests/test_k8s_values.py.
+the overlays build with ``kubectl kustomize`` (the kubectl pinned in the dev extra, not
+the host's) and validate the same way; the YAML lints; golden renders of the example
+values and the kustomize base do not drift; every rendered container command and
+environment passes its service's real configuration parser, and the ports of probes,
+Services and NetworkPolicies are the ones the containers listen on. What each value
+changes is asserted in tests/test_k8s_values.py.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests import k8s_manifests
 from tests.k8s_manifests import (
     CHART,
     K8S,
@@ -355,6 +357,19 @@ def test_entrypoint_refuses_an_unknown_role() -> None:
         ["sh", str(K8S / "entrypoint.sh"), "trainer"], capture_output=True, text=True
     )
     assert out.returncode == 2 and "gateway|prefill|decode|single" in out.stderr
+
+
+def test_kustomize_runs_the_pinned_kubectl_not_the_hosts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    host, venv = tmp_path / "usr-bin", tmp_path / "venv" / "bin"
+    for where in (host, venv):
+        where.mkdir(parents=True)
+        (where / "kubectl").write_text("#!/bin/sh\n")
+        (where / "kubectl").chmod(0o755)
+    monkeypatch.setenv("PATH", str(host))
+    monkeypatch.setattr(sys, "executable", str(venv / "python"))
+    assert k8s_manifests.kubectl.__wrapped__() == str(venv / "kubectl")
 
 
 def test_dockerfile_is_hadolint_clean() -> None:

