@@ -1,18 +1,12 @@
 """The decode side of the KV hand-off (``engine.transfer.handoff`` has the message flow).
 
 For one request: reserve blocks on the engine (the backpressure point: a request the pool
-<<<<<<< HEAD
 cannot take waits in the engine's bounded reservation FIFO until blocks free up, its
 deadline passes or it is cancelled; a full FIFO fails it at once with RESOURCE_EXHAUSTED,
-which the gateway retries elsewhere), lease them on
-the KV inbox, order a prefill worker to fill them, follow its progress beats (each moves
-=======
-cannot take waits in the engine's bounded reservation FIFO, up to the reserve timeout, and
-then fails with RESOURCE_EXHAUSTED, which the gateway retries on another decode worker),
-lease them on the KV inbox, order a prefill worker to fill them (one whose queue is full
-refuses with RESOURCE_EXHAUSTED naming the prefill role, relayed as is, which the gateway
-retries on another prefill worker), follow its progress beats (each moves
->>>>>>> h-churn
+which the gateway retries on another decode worker), lease them on the KV inbox, order a
+prefill worker to fill them (one whose queue is full refuses with RESOURCE_EXHAUSTED
+naming the prefill role, relayed as is, which the gateway retries on another prefill
+worker), follow its progress beats (each moves
 the lease's deadline), verify the transfer, wait for the lease to end, acknowledge, and
 only then let the request run and release its first token. Until that moment a failure
 is invisible to the client, so the gateway may retry it elsewhere.

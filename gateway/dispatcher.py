@@ -12,8 +12,7 @@ request: the decode worker relays a prefill worker's full queue as RESOURCE_EXHA
 naming the prefill role (``rpc.errors.RoleExhaustedError``, carried in the trailing
 metadata), and the retry goes to another prefill worker, the decode worker staying
 eligible (with one decode worker, the same one); without that role the decode worker
-itself had no KV room within its reserve timeout (or its own queue was full), and the
-retry goes to another decode worker. When every worker of that role that is up has
+itself had no room (its reservation queue was full), and the retry goes to another decode worker. When every worker of that role that is up has
 refused, the error surfaces. Other codes (INVALID_ARGUMENT, DEADLINE_EXCEEDED, ...) pass
 through at once, with the worker's message.
 
@@ -126,7 +125,7 @@ class Dispatcher:
                 )
                 if route.decode in full_decode or (route.prefill and route.prefill in full_prefill):
                     # Every worker of that role that is up said it has no room; asking one
-                    # again would only be refused again (or wait out a reserve timeout).
+                    # again would only be refused again.
                     assert exhausted is not None
                     raise exhausted
                 route_span.set_attribute("baton.attempt", attempt)

@@ -8,6 +8,7 @@ even through another module of ours.
 from __future__ import annotations
 
 import ast
+import subprocess
 import sys
 from collections.abc import Iterator
 from functools import cache
@@ -184,3 +185,21 @@ def test_torch_free_modules_never_reach_torch() -> None:
     assert chains == {}, "torch reached through: " + "; ".join(
         " -> ".join(c) for c in chains.values()
     )
+
+
+def test_no_tracked_file_holds_merge_conflict_markers() -> None:
+    """A conflict left in a docstring or a comment still imports and runs; only a look at
+    every tracked text file finds it."""
+    tracked = subprocess.run(
+        ["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True
+    ).stdout.split(b"\0")
+    markers = (b"<<<<<<< ", b">>>>>>> ")
+    found = []
+    for name in filter(None, tracked):
+        path = REPO / name.decode()
+        if not path.is_file() or path.stat().st_size > 4 << 20:
+            continue
+        for number, line in enumerate(path.read_bytes().splitlines(), 1):
+            if line.startswith(markers):
+                found.append(f"{name.decode()}:{number}")
+    assert not found, f"merge conflict markers: {found}"
