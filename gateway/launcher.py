@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -288,12 +289,14 @@ class LocalCluster:
             env["OMP_NUM_THREADS"] = str(len(cpus))
 
         nice = self.spec.worker_nice if kind in WORKER_KINDS else 0
+        if nice and (nice_binary := shutil.which("nice")):
+            # Through nice(1), which execs the worker: a preexec_fn would make subprocess
+            # fork and run Python in the child, which crashes (SIGSEGV) a launcher whose
+            # other threads are inside gRPC, as a test's or a server's are.
+            cmd = [nice_binary, "-n", str(nice), *cmd]
 
         def pin() -> None:
-            if cpus:
-                os.sched_setaffinity(0, cpus)
-            if nice:
-                os.nice(nice)  # before exec: every thread of the worker inherits it
+            os.sched_setaffinity(0, cpus)
 
         with open(log, "wb") as out:
             popen = subprocess.Popen(
@@ -301,7 +304,7 @@ class LocalCluster:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=env,
-                preexec_fn=pin if cpus or nice else None,
+                preexec_fn=pin if cpus else None,
             )
         proc = LocalProcess(kind, popen, port_file, log, metrics_address=metrics_address)
         self.procs.append(proc)
