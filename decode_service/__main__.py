@@ -69,6 +69,7 @@ async def _run(cfg: WorkerConfig) -> None:
         port_file=cfg.port_file,
         fatal=servicer.fatal,
         liveness=servicer.stalled,
+        on_stop=servicer.drain,
         credentials=security.server_credentials(),
         reflection=cfg.enable_reflection,
     )

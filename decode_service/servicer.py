@@ -9,7 +9,8 @@ receiver's thread dies, open streams end with UNAVAILABLE (those still in their
 hand-off at once, ``rpc.liveness.unless_fatal``) and the worker reports NOT_SERVING for
 good (``fatal``), so a liveness probe restarts it; while the engine is stuck in a step
 past ``--engine-stall-timeout-s`` it reports NOT_SERVING until it steps again
-(``stalled``).
+(``stalled``). On SIGTERM (``drain``) streams get ``--drain-finish-s`` to finish, then
+the rest are handed back to the gateway to move to another decode worker.
 
 The ``traceparent`` of a ``Decode`` call is the parent of the request's spans here
 (``decode.reserve``, ``decode.wait_kv``, ``decode.decode``; single-process one
@@ -53,6 +54,7 @@ from rpc.convert import (
     token_logprob_to_proto,
     worker_stats_to_proto,
 )
+from rpc.errors import WorkerDrainingError
 from rpc.liveness import EngineStall, unless_fatal
 from rpc.tls import TlsMaterial, server_name_option
 from rpc.tracing import context_from_metadata, span
@@ -61,6 +63,10 @@ from rpc.worker_config import WorkerConfig
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
+
+# Of the grace period, what a drain keeps for handed-back streams to reach the gateway.
+_HANDOFF_MARGIN_S = 1.0
+_DRAIN_POLL_S = 0.05
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
@@ -174,6 +180,34 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if isinstance(self.timeline, Timeline) and self.cfg.timeline_file is not None:
             await asyncio.to_thread(self.timeline.write, self.cfg.timeline_file)
             logger.info("engine timeline written to %s", self.cfg.timeline_file)
+
+    async def drain(self) -> None:
+        """On SIGTERM (``ServerSpec.on_stop``, beside the gate's drain): let streams finish
+        for ``drain_finish_s``, then hand the rest back: each ends with ABORTED and the
+        drain marker (``WorkerDrainingError``), which the gateway answers by moving the
+        request to another decode worker. Leaves a margin of the grace period for those
+        endings to reach the gateway before the server cancels what is left."""
+        engine = self.engine
+        if engine is None:
+            return
+        finish = min(self.cfg.drain_finish_s, max(0.0, self.cfg.grace_s - _HANDOFF_MARGIN_S))
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + finish
+        while engine.num_streams and loop.time() < give_up:
+            await asyncio.sleep(min(_DRAIN_POLL_S, give_up - loop.time()))
+        if not engine.num_streams:
+            return
+        ended = engine.end_streams(
+            lambda rid: WorkerDrainingError(
+                f"request {rid}: this decode worker is draining and handed the request back "
+                f"after {finish:g}s; continue it on another decode worker"
+            )
+        )
+        logger.info(
+            "decode draining: %d stream(s) still open after %.1fs; handed back to the gateway",
+            ended,
+            finish,
+        )
 
     def _engine_died(self, exc: BaseException) -> None:
         logger.error("decode engine died: %r; reporting NOT_SERVING", exc)

@@ -249,6 +249,22 @@ class AsyncEngine:
 
         self._submit("kv_ready", run, request_id)
 
+    @property
+    def num_streams(self) -> int:
+        """Requests whose output stream is open here (generating, or awaiting their KV)."""
+        return len(self._streams)
+
+    def end_streams(self, error_for: Callable[[str], BaseException]) -> int:
+        """End every open stream with ``error_for(request_id)``, raised to its consumer,
+        whose leaving aborts the request and frees its blocks (a draining worker hands
+        its requests back this way). Returns how many streams it ended."""
+        ended = 0
+        for request_id, stream in list(self._streams.items()):
+            if not stream.done:
+                stream.queue.put_nowait(error_for(request_id))
+                ended += 1
+        return ended
+
     def abort(self, request_id: str) -> None:
         """Stop a request in any state and free its blocks. Non-blocking, idempotent."""
 

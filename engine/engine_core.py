@@ -107,6 +107,11 @@ class EngineCore:
                     f"prompt_token_ids contains {tok!r}, outside the vocabulary [0, {vocab})"
                 )
         params.validate_vocab(vocab)
+        if params.output_offset >= len(prompt_token_ids):
+            raise ValueError(
+                f"output_offset ({params.output_offset}) must be less than the prompt's "
+                f"{len(prompt_token_ids)} tokens: the prompt ends with the earlier outputs"
+            )
         self.scheduler.check_admissible(request_id, len(prompt_token_ids))
         return Request(
             request_id=request_id,

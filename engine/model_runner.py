@@ -230,8 +230,11 @@ class ModelRunner:
         params = req.params
         end = seq.start + seq.num_new
         gen = None
+        # A moved request's prompt ends with its earlier outputs (``output_offset``):
+        # positions and output-only penalties count from where its output really began.
+        num_prompt = req.num_prompt_tokens - params.output_offset
         if params.seed is not None and not params.greedy:
-            gen = position_generator(self.device, params.seed, end - req.num_prompt_tokens)
+            gen = position_generator(self.device, params.seed, end - num_prompt)
         token_ids = None
         if params.has_penalties:
             token_ids = req.all_token_ids[:end]
@@ -243,7 +246,7 @@ class ModelRunner:
             eos_token_ids=req.eos_token_ids,
             generator=gen,
             token_ids=token_ids,
-            num_prompt_tokens=req.num_prompt_tokens,
+            num_prompt_tokens=num_prompt,
         )
 
     def _prepare(self, sched: SchedulerOutput) -> PreparedStep:

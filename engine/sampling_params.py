@@ -18,6 +18,12 @@ class SamplingParams:
 
     ``temperature == 0`` means greedy. ``top_k == 0`` and ``top_p == 1`` disable those
     filters. ``seed`` makes a sampled request reproducible regardless of batch company.
+
+    ``output_offset`` is set only on a request that moved between decode workers
+    (``gateway.migration``): its prompt ends with the ``output_offset`` tokens it had
+    already produced, and ``max_tokens``/``min_tokens`` are what was left of them. Seeded
+    draws and the output-only penalties count from the original output's start, so the
+    moved request samples as it would have where it was.
     """
 
     max_tokens: int = 16
@@ -33,6 +39,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    output_offset: int = 0
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, low=1)
@@ -73,6 +80,7 @@ class SamplingParams:
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        _check_int("output_offset", self.output_offset, low=0)
 
     @property
     def greedy(self) -> bool:

@@ -90,7 +90,11 @@ class Gateway:
         )
         tracer = (tracer_provider or trace.NoOpTracerProvider()).get_tracer("baton.gateway")
         self.dispatcher = Dispatcher(
-            self.router, self.channels, max_retries=config.max_retries, tracer=tracer
+            self.router,
+            self.channels,
+            max_retries=config.max_retries,
+            max_migrations=config.max_migrations,
+            tracer=tracer,
         )
         self.metrics = GatewayMetrics(registry) if registry is not None else None
         if registry is not None:

@@ -36,6 +36,8 @@ class GatewayConfig:
     port: int = 50051  # 0: any free port
     port_file: Path | None = None  # the bound port is written here
     max_retries: int = 2  # extra attempts for a request that failed before its first token
+    # Moves of a request to another decode worker after its first token (gateway.migration).
+    max_migrations: int = 3
     grace_s: float = 30.0  # drain time for in-flight requests on SIGTERM
     stats_interval_s: float = 0.25  # how often every worker's Stats is polled
     stats_timeout_s: float = 1.0  # deadline of one Stats call
@@ -97,6 +99,8 @@ class GatewayConfig:
             raise ValueError(f"metrics_port and port must differ, both are {self.port}")
         if self.max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
+        if self.max_migrations < 0:
+            raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
         for name in (
@@ -202,6 +206,7 @@ _FIELDS: dict[str, Callable[[str], Any]] = {
     "port": int,
     "port_file": Path,
     "max_retries": int,
+    "max_migrations": int,
     "grace_s": float,
     "stats_interval_s": float,
     "stats_timeout_s": float,
@@ -252,6 +257,11 @@ def _parser() -> argparse.ArgumentParser:
         help="prefill workers, as --decode; none: decode workers run prompts themselves",
     )
     p.add_argument("--max-retries", help="retries before the first token (default 2)")
+    p.add_argument(
+        "--max-migrations",
+        help="moves of a request to another decode worker after its first token, when its "
+        "worker dies or drains (default 3; 0: off, such a stream fails UNAVAILABLE)",
+    )
     p.add_argument("--grace-s", help="seconds in-flight requests may drain on SIGTERM")
     p.add_argument("--stats-interval-s", help="seconds between worker Stats polls (0.25)")
     p.add_argument("--stats-timeout-s", help="deadline of one Stats call, seconds (1.0)")

@@ -1,20 +1,28 @@
-"""One request's ``Decode`` call, with retries before its first token.
+"""One request's ``Decode`` calls: retries before its first token, moves after it.
 
 The dispatcher picks a route, opens ``DecodeWorker.Decode`` with what is left of the
 client's deadline, and yields the decode worker's outputs. An attempt that fails with
 UNAVAILABLE or ABORTED *before any token arrived* is retried, up to ``max_retries`` times:
 on another prefill worker when there is one, and on another decode worker when a fresh
 ``Stats`` gets no serving answer from the failed one. A request that finds no worker up
-waits briefly for one (``Router.route``). Once a token has reached the caller a failure is
-final, and surfaces with the same status code. RESOURCE_EXHAUSTED before the first token
-is retried on another worker *of the role that ran out*, one that has not refused this
+waits briefly for one (``Router.route``). RESOURCE_EXHAUSTED before the first token is
+retried on another worker *of the role that ran out*, one that has not refused this
 request: the decode worker relays a prefill worker's full queue as RESOURCE_EXHAUSTED
 naming the prefill role (``rpc.errors.RoleExhaustedError``, carried in the trailing
 metadata), and the retry goes to another prefill worker, the decode worker staying
 eligible (with one decode worker, the same one); without that role the decode worker
-itself had no room (its reservation queue was full), and the retry goes to another decode worker. When every worker of that role that is up has
-refused, the error surfaces. Other codes (INVALID_ARGUMENT, DEADLINE_EXCEEDED, ...) pass
-through at once, with the worker's message.
+itself had no room (its reservation queue was full), and the retry goes to another
+decode worker. When every worker of that role that is up has refused, the error
+surfaces. Other codes (INVALID_ARGUMENT, DEADLINE_EXCEEDED, ...) pass through at once,
+with the worker's message.
+
+Once tokens have reached the caller, a failure that means the decode worker is gone or
+leaving *moves* the request (``gateway.migration``): a new ``Decode`` on another decode
+worker resumes it from the last token the caller has, up to ``max_migrations`` times per
+request; the caller's stream goes on with no gap and no duplicate. Past the bound, or on
+any other failure, the request ends with the failure's status (UNAVAILABLE naming the
+bound for the former). Each move is one warning line, a ``baton.migration`` event on the
+next attempt's ``gateway.route`` span, and a call to ``DecodeJob.on_move``.
 
 Closing the stream (the caller saw a stop string, or went away) cancels the ``Decode``
 call, which makes decode abort the request and free its blocks, and prefill's.
@@ -28,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -44,6 +52,7 @@ from engine.errors import (
 )
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
+from gateway.migration import BrokenStreamError, Move, StreamProgress, move_reason
 from gateway.router import Router
 from gateway.workers import Route, WorkerKind
 from protos.baton.v1 import worker_pb2, worker_pb2_grpc
@@ -66,6 +75,8 @@ class DecodeJob:
     prompt_token_ids: Sequence[int]
     params: SamplingParams
     trace_context: Context | None = None  # the parent of this job's spans and of decode's
+    # Called once per move of the request to another decode worker (metric, usage).
+    on_move: Callable[[Move], None] | None = None
 
 
 class Dispatcher:
@@ -77,10 +88,14 @@ class Dispatcher:
         channels: ChannelCache,
         *,
         max_retries: int,
+        max_migrations: int = 3,
         tracer: trace.Tracer | None = None,
     ) -> None:
         if max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+        if max_migrations < 0:
+            raise ValueError(f"max_migrations must be >= 0, got {max_migrations}")
+        self._max_migrations = max_migrations
         self._router = router
         self._channels = channels
         self._max_attempts = 1 + max_retries
@@ -96,16 +111,13 @@ class Dispatcher:
     ) -> AsyncGenerator[RequestOutput, None]:
         """The decode outputs of ``job``, the last one finished.
 
-        ``timeout`` (seconds; None: no deadline) bounds every attempt together. Raises the
-        typed error of the last failure (UnavailableError, AbortedError, ValueError, ...).
+        ``timeout`` (seconds; None: no deadline) bounds every attempt and move together.
+        Raises the typed error of the last failure (UnavailableError, AbortedError,
+        ValueError, ...).
         """
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
-        request = worker_pb2.DecodeRequest(
-            request_id=job.request_id,
-            prompt_token_ids=job.prompt_token_ids,
-            sampling_params=sampling_params_to_proto(job.params),
-        )
+        progress = StreamProgress(job.prompt_token_ids, job.params)
         failed_prefill: list[str] = []
         # Workers that answered RESOURCE_EXHAUSTED to this request, by the role that ran out.
         full_decode: list[str] = []
@@ -113,12 +125,16 @@ class Dispatcher:
         exhausted: ResourceExhaustedError | None = None
         metadata = metadata_for(job.trace_context)
         failed_decode: list[str] = []
-        for attempt in range(1, self._max_attempts + 1):
+        attempt = 0
+        moved: Move | None = None  # the move the next attempt makes, if it makes one
+        while True:
+            attempt += 1
+            prompt, params = progress.resume()
             with span(
                 self._tracer, "gateway.route", job.trace_context, request_id=job.request_id
             ) as route_span:
                 route = await self._router.route(
-                    len(job.prompt_token_ids),
+                    len(prompt),
                     avoid_prefill=[*failed_prefill, *full_prefill],
                     avoid_decode=[*failed_decode, *full_decode],
                     timeout=None if deadline is None else deadline - loop.time(),
@@ -132,24 +148,41 @@ class Dispatcher:
                 route_span.set_attribute("baton.decode", route.decode)
                 if route.prefill:
                     route_span.set_attribute("baton.prefill", route.prefill)
+                if moved is not None:
+                    self._report_move(job, moved, route, route_span)
+                    moved = None
             remaining = None if deadline is None else deadline - loop.time()
             if remaining is not None and remaining <= 0:
                 raise DeadlineExceededError(
                     f"request {job.request_id}: deadline passed after {attempt - 1} attempt(s)"
                 )
-            request.prefill_address = route.prefill
-            started = False
+            request = worker_pb2.DecodeRequest(
+                request_id=job.request_id,
+                prompt_token_ids=prompt,
+                sampling_params=sampling_params_to_proto(params),
+                prefill_address=route.prefill,
+            )
             try:
                 with self._router.using(route):
                     attempt_outs = self._attempt(route, request, remaining, metadata)
                     async with contextlib.aclosing(attempt_outs) as outs:
                         async for out in outs:
-                            started = started or bool(out.new_token_ids) or out.finished
-                            yield out
+                            yield progress.record(out)
                 return
-            except (UnavailableError, AbortedError) as exc:
-                if started or attempt == self._max_attempts:
+            except (UnavailableError, AbortedError, ResourceExhaustedError) as exc:
+                if progress.started:
+                    moved = self._move_or_raise(job, progress, route, exc)
+                    # The prompt's part went well: only the decode worker is left behind.
+                    # Probing it lets the router see it down for every other request too.
+                    failed_decode.append(route.decode)
+                    await self._probe(Route(decode=route.decode, prefill=""))
+                    continue
+                if attempt >= self._max_attempts:
                     raise
+                if isinstance(exc, ResourceExhaustedError):
+                    exhausted = exc
+                    self._note_full(job, attempt, route, exc, full_decode, full_prefill)
+                    continue
                 logger.warning(
                     "request %s: attempt %d/%d on decode %s prefill %s failed before its "
                     "first token (%s: %s); retrying",
@@ -165,28 +198,90 @@ class Dispatcher:
                     failed_prefill.append(route.prefill)
                 if not await self._probe(route):
                     failed_decode.append(route.decode)
-            except ResourceExhaustedError as exc:
-                # No room on one of the workers: it is fine, so no probe; try another
-                # worker of the role that ran out, keeping the other one.
-                if started or attempt == self._max_attempts:
-                    raise
-                if _prefill_ran_out(exc) and route.prefill:
-                    role, address, full = "prefill", route.prefill, full_prefill
-                else:
-                    role, address, full = "decode", route.decode, full_decode
-                full.append(address)
-                exhausted = exc
-                logger.warning(
-                    "request %s: attempt %d/%d: %s worker %s has no room (%s); trying "
-                    "another %s worker",
-                    job.request_id,
-                    attempt,
-                    self._max_attempts,
-                    role,
-                    address,
-                    exc,
-                    role,
-                )
+
+    def _note_full(
+        self,
+        job: DecodeJob,
+        attempt: int,
+        route: Route,
+        exc: ResourceExhaustedError,
+        full_decode: list[str],
+        full_prefill: list[str],
+    ) -> None:
+        """A worker had no room: it is fine, so no probe; the next attempt tries another
+        worker of the role that ran out, keeping the other one."""
+        if _prefill_ran_out(exc) and route.prefill:
+            role, address, full = "prefill", route.prefill, full_prefill
+        else:
+            role, address, full = "decode", route.decode, full_decode
+        full.append(address)
+        logger.warning(
+            "request %s: attempt %d/%d: %s worker %s has no room (%s); trying another %s worker",
+            job.request_id,
+            attempt,
+            self._max_attempts,
+            role,
+            address,
+            exc,
+            role,
+        )
+
+    def _move_or_raise(
+        self, job: DecodeJob, progress: StreamProgress, route: Route, exc: Exception
+    ) -> Move:
+        """The move that continues a request whose stream failed after tokens reached the
+        caller; raises when the failure ends the request (its kind, or the bound)."""
+        reason = move_reason(exc)
+        if reason is None:
+            raise exc
+        if progress.moves >= self._max_migrations:
+            bound = (
+                "moving requests is off (--max-migrations 0)"
+                if self._max_migrations == 0
+                else f"it already moved {progress.moves} time(s), the most --max-migrations "
+                f"({self._max_migrations}) allows"
+            )
+            raise UnavailableError(
+                f"request {job.request_id}: decode worker {route.decode} failed after "
+                f"{len(progress.emitted)} token(s) ({reason.value}: {exc}) and the request "
+                f"cannot move: {bound}"
+            ) from exc
+        progress.moves += 1
+        return Move(
+            reason=reason,
+            source=route.decode,
+            number=progress.moves,
+            emitted=len(progress.emitted),
+            error=f"{type(exc).__name__}: {exc}",
+        )
+
+    def _report_move(
+        self, job: DecodeJob, move: Move, route: Route, route_span: trace.Span
+    ) -> None:
+        """One log line, a span event and the job's callback (metric, usage) per move."""
+        logger.warning(
+            "request %s: moved from decode %s to decode %s after %d token(s) (%s, move %d/%d): %s",
+            job.request_id,
+            move.source,
+            route.decode,
+            move.emitted,
+            move.reason.value,
+            move.number,
+            self._max_migrations,
+            move.error,
+        )
+        route_span.add_event(
+            "baton.migration",
+            {
+                "baton.migration.reason": move.reason.value,
+                "baton.migration.from": move.source,
+                "baton.migration.to": route.decode,
+                "baton.migration.emitted_tokens": move.emitted,
+                "baton.migration.number": move.number,
+            },
+        )
+        if job.on_move is not None:
+            job.on_move(move)
 
     async def _attempt(
         self,
@@ -213,13 +308,15 @@ class Dispatcher:
                     )
                     raise error_from_rpc(err) from err
                 if msg is grpc.aio.EOF:
-                    raise AbortedError(
+                    raise BrokenStreamError(
                         f"request {rid}: the decode stream ended without a finish reason"
                     )
                 try:
                     out = output_from_decode_response(rid, msg)
                 except ValueError as exc:  # the worker broke the protocol, not the client
-                    raise AbortedError(f"request {rid}: malformed DecodeResponse: {exc}") from exc
+                    raise BrokenStreamError(
+                        f"request {rid}: malformed DecodeResponse: {exc}"
+                    ) from exc
                 if out.finished:
                     # Let the call end on its own, so decode sees a finished request, not a
                     # cancelled one.

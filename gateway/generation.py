@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import re
 import time
@@ -45,6 +46,7 @@ from engine.errors import DeadlineExceededError, ResourceExhaustedError
 from engine.request import RequestTimings
 from gateway.dispatcher import DecodeJob, Dispatcher
 from gateway.metrics import GatewayMetrics, RequestTrack
+from gateway.migration import Move
 from gateway.output_processor import GenerateDelta, OutputProcessor
 from gateway.served_model import ModelCard, ServedModel
 from gateway.tokenizer import Tokenizer
@@ -201,11 +203,19 @@ class Generation:
         reported = RequestTimings()  # what decode said so far
         first_at: float | None = None
         with span(self._tracer, "gateway.stream", tr.context, request_id=rid) as stream_span:
+            moves: list[Move] = []
+
+            def on_move(move: Move) -> None:
+                moves.append(move)
+                if tr.track is not None:
+                    tr.track.moved(move.reason)
+
             job = DecodeJob(
                 request_id=rid,
                 prompt_token_ids=prompt,
                 params=req.params,
                 trace_context=child_context(stream_span),
+                on_move=on_move,
             )
             timeout = None if deadline is None else deadline - loop.time()
             try:
@@ -236,14 +246,19 @@ class Generation:
             assert final is not None, "the dispatch stream ends with a finished output or raises"
             assert first_at is not None
             stream_span.set_attribute("baton.completion_tokens", processor.num_completion_tokens)
+            stream_span.set_attribute("baton.migrations", len(moves))
         final.timings = _final_timings(reported, tr.began, first_at, time.monotonic())
+        if moves:
+            assert final.usage is not None
+            final.usage = dataclasses.replace(final.usage, migrations=len(moves))
         logger.info(
-            "request %s: finished (%s) with %d tokens in %.3fs; %s",
+            "request %s: finished (%s) with %d tokens in %.3fs; %s%s",
             rid,
             describe_finish(final),
             processor.num_completion_tokens,
             final.timings.total_s,
             describe_timings(final.timings),
+            f"; moved {len(moves)} time(s)" if moves else "",
         )
         if tr.track is not None:
             tr.track.tokens(len(final.token_ids))

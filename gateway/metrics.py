@@ -1,5 +1,5 @@
 """The gateway's Prometheus metrics: requests by final status, latencies, streams in
-flight, and the workers the router sees up.
+flight, requests moved between decode workers, and the workers the router sees up.
 
 Registered on the registry ``__main__`` builds (see rpc.metrics). Histogram buckets are
 vLLM's, so dashboards of the two read alike: TTFT from 1 ms to 43 min, inter-token
@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from gateway.migration import MoveReason
 from rpc.errors import status_for
 
 TTFT_BUCKETS = (
@@ -61,6 +62,15 @@ class GatewayMetrics:
             buckets=E2E_BUCKETS,
             registry=registry,
         )
+        self.migrations = Counter(
+            "baton_request_migrations",
+            "Requests moved to another decode worker mid-stream, by why its worker "
+            "let go of it (worker_gone, draining, broken_stream).",
+            ["reason"],
+            registry=registry,
+        )
+        for reason in MoveReason:
+            self.migrations.labels(reason=reason.value)
         self.in_flight = Gauge(
             "baton_streams_in_flight",
             "Generate streams open now (the gateway scaling signal).",
@@ -99,6 +109,9 @@ class RequestTrack:
             for _ in range(count):
                 self._m.itl.observe(0.0)
         self._last = now
+
+    def moved(self, reason: MoveReason) -> None:
+        self._m.migrations.labels(reason=reason.value).inc()
 
     def finish(self, error: BaseException | None) -> None:
         """Record the final status: OK, the code ``error`` maps to, or CANCELLED."""

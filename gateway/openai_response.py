@@ -37,12 +37,15 @@ def sse_event(obj: dict[str, Any]) -> bytes:
 
 
 def usage_dict(usage: Usage) -> dict[str, Any]:
-    return {
+    out: dict[str, Any] = {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
+    if usage.migrations:  # baton's own key, only on a request that moved between workers
+        out["baton_migrations"] = usage.migrations
+    return out
 
 
 def finish_reason_of(delta: GenerateDelta) -> str | None:

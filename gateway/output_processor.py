@@ -24,6 +24,8 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    # Times the request moved to another decode worker mid-stream (gateway.migration).
+    migrations: int = 0
 
 
 @dataclass(slots=True)

@@ -75,7 +75,9 @@ def _to_proto(request_id: str, delta: GenerateDelta) -> generate_pb2.GenerateRes
     if delta.usage is not None:
         usage = delta.usage
         msg.usage.CopyFrom(
-            usage_to_proto(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
+            usage_to_proto(
+                usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens, usage.migrations
+            )
         )
     if delta.timings is not None:
         msg.timings.CopyFrom(request_timings_to_proto(delta.timings))

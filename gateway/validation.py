@@ -85,6 +85,12 @@ def validate_generate_request(msg: generate_pb2.GenerateRequest, card: ModelCard
     request_id = (
         check_request_id(msg.request_id, "request_id") if msg.HasField("request_id") else None
     )
+    if msg.sampling_params.output_offset:
+        raise FieldError(
+            "sampling_params.output_offset",
+            "sampling_params.output_offset is set by the gateway when it moves a request "
+            "between decode workers; a Generate request must leave it unset",
+        )
     try:
         params = sampling_params_from_proto(msg.sampling_params)
     except ValueError as exc:  # the message starts with sampling_params.<field>

@@ -124,12 +124,13 @@ def token_logprob_from_proto(msg: common_pb2.TokenLogprob) -> TokenLogprob:
 
 
 def usage_to_proto(
-    prompt_tokens: int, completion_tokens: int, cached_tokens: int
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int, migrations: int = 0
 ) -> common_pb2.Usage:
     return common_pb2.Usage(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         cached_tokens=cached_tokens,
+        migrations=migrations,
     )
 
 

@@ -35,6 +35,11 @@ answered: a :class:`RoleExhaustedError` travels as RESOURCE_EXHAUSTED with the r
 comes back out of :func:`error_from_rpc` as the same class. So a decode worker relays a
 prefill worker's full queue, and the gateway retries on another prefill worker instead of
 taking the decode worker for full. Without the key, the worker that answered ran out.
+
+ABORTED also says when it means "this worker is draining, go elsewhere": a
+:class:`WorkerDrainingError` travels as ABORTED with :data:`DRAINING_KEY` in the trailing
+metadata, so a draining decode worker hands its remaining streams to the gateway, which
+moves them to another worker (``gateway.migration``) instead of failing them.
 """
 
 from __future__ import annotations
@@ -105,11 +110,29 @@ class RoleExhaustedError(errors.ResourceExhaustedError):
         self.role = role
 
 
+# Trailing metadata of an ABORTED status from a worker that is draining: the request was
+# cut only because the worker is leaving, and may continue on another one.
+DRAINING_KEY = "baton-draining"
+
+
+class WorkerDrainingError(errors.AbortedError):
+    """The worker is draining and handed this stream back: ABORTED, with
+    :data:`DRAINING_KEY` in the trailing metadata."""
+
+
 def trailing_metadata_for(exc: BaseException) -> tuple[tuple[str, str], ...]:
     """The trailing metadata the interceptor sends with the status for ``exc``."""
     if isinstance(exc, RoleExhaustedError):
         return ((EXHAUSTED_ROLE_KEY, worker_pb2.WorkerRole.Name(exc.role)),)
+    if isinstance(exc, WorkerDrainingError):
+        return ((DRAINING_KEY, "1"),)
     return ()
+
+
+def _trailing_keys(err: grpc.RpcError) -> set[str]:
+    read = getattr(err, "trailing_metadata", None)
+    pairs = read() if callable(read) else None
+    return {key for key, _ in pairs or ()}
 
 
 def _exhausted_role(err: grpc.RpcError) -> worker_pb2.WorkerRole.ValueType | None:
@@ -168,7 +191,8 @@ def error_from_rpc(
 
     RESOURCE_EXHAUSTED becomes a :class:`RoleExhaustedError` naming the role in its
     trailing metadata, else ``role`` (the role of the peer called), else a plain
-    ``ResourceExhaustedError``.
+    ``ResourceExhaustedError``; ABORTED with :data:`DRAINING_KEY` a
+    :class:`WorkerDrainingError`.
     """
     code = err.code() if callable(getattr(err, "code", None)) else grpc.StatusCode.UNKNOWN
     details = (err.details() if callable(getattr(err, "details", None)) else None) or ""
@@ -181,6 +205,8 @@ def error_from_rpc(
             named = role
         if named is not None:
             return RoleExhaustedError(message, named)
+    if code is grpc.StatusCode.ABORTED and DRAINING_KEY in _trailing_keys(err):
+        return WorkerDrainingError(message)
     return error_from_status(code, message)
 
 

@@ -48,6 +48,9 @@ class WorkerConfig:
     advertise_host: str = ""
     port_file: Path | None = None  # the bound port is written here
     grace_s: float = 30.0  # drain time for in-flight requests on SIGTERM
+    # Decode: how long its streams may go on finishing after SIGTERM before the worker
+    # hands the rest back to the gateway to move (ABORTED + rpc.errors.DRAINING_KEY).
+    drain_finish_s: float = 5.0
     transport: str = "shm"  # KV transport: shm | gloo (CPU), cuda_ipc | nccl (GPU)
     # shm: segment name (empty: random). gloo/nccl: host:port prefill workers reach the
     # decode worker's rendezvous store at (it listens on every interface; port 0: any).
@@ -113,6 +116,7 @@ class WorkerConfig:
                 )
         for name in (
             "grace_s",
+            "drain_finish_s",
             "transfer_timeout_s",
             "engine_stall_timeout_s",
         ):
@@ -250,6 +254,7 @@ _FIELDS: dict[str, tuple[Callable[[str], Any], str]] = {
     "port": (int, "worker"),
     "port_file": (Path, "worker"),
     "grace_s": (float, "worker"),
+    "drain_finish_s": (float, "worker"),
     "transport": (str, "worker"),
     "transport_address": (str, "worker"),
     "transfer_timeout_s": (float, "worker"),
@@ -292,6 +297,9 @@ _HELP = {
     "port": "port to listen on; 0 picks a free one",
     "port_file": "write the bound port to this file",
     "grace_s": "seconds in-flight requests may drain on SIGTERM",
+    "drain_finish_s": "decode: seconds streams may go on finishing after SIGTERM before the "
+    "rest are handed back to the gateway, which moves them to another decode worker "
+    "(within --grace-s)",
     "transport": "KV transport: shm | gloo | cuda_ipc | nccl",
     "transport_address": "gloo/nccl: HOST:PORT prefill workers reach the decode worker's "
     "rendezvous store at; it listens on every interface; HOST 0.0.0.0: the advertise host; "

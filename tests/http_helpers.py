@@ -40,6 +40,7 @@ async def running_http(
     request_timeout_s: float = 0.0,
     wait_ready: bool = True,
     tracer_provider: Any = None,
+    max_migrations: int = 3,
 ) -> AsyncIterator[Running]:
     config = GatewayConfig(
         decode=tuple(d.address for d in decode),
@@ -47,6 +48,7 @@ async def running_http(
         http_port=0,
         http_request_timeout_s=request_timeout_s,
         max_retries=0,
+        max_migrations=max_migrations,
         grace_s=1.0,
         stats_interval_s=0.05,
         stats_timeout_s=0.5,

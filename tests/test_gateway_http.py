@@ -252,13 +252,51 @@ async def test_failure_after_the_first_token_ends_the_stream_with_an_error_event
     decode.script = Script(
         token_ids=[10, 11, 12], error=errors.UnavailableError("gone"), fail_after=2
     )
-    async with fake_workers([decode]) as (d, _), running_http(served_smollm2, d) as gw:
+    async with (
+        fake_workers([decode]) as (d, _),
+        running_http(served_smollm2, d, max_migrations=0) as gw,
+    ):
         stream = await gw.client.completions.create(model=MODEL, prompt="hi", stream=True)
         got = []
         with pytest.raises(openai.APIError, match="gone"):
             async for chunk in stream:
                 got.append(chunk)
     assert len(got) == 2
+
+
+async def test_a_stream_whose_decode_worker_dies_moves_on_over_http(
+    served_smollm2: ServedModel,
+) -> None:
+    """The OpenAI path shares the request path: the stream goes on on the other decode
+    worker, and the usage says the request moved."""
+
+    def script(request) -> Script:  # noqa: ANN001
+        if request.sampling_params.output_offset == 0:
+            return Script(
+                token_ids=[10, 11],
+                error=errors.UnavailableError("gone"),
+                fail_after=2,
+                go_down=True,
+                hang=True,
+            )
+        return Script(token_ids=[12, 13], finish_reason=common_pb2.FINISH_REASON_LENGTH)
+
+    workers = [FakeDecodeWorker(), FakeDecodeWorker()]
+    for w in workers:
+        w.script_for = script
+    async with fake_workers(workers) as (d, _), running_http(served_smollm2, d) as gw:
+        stream = await gw.client.completions.create(
+            model=MODEL,
+            prompt="hi",
+            stream=True,
+            max_tokens=4,
+            stream_options={"include_usage": True},
+        )
+        chunks = [chunk async for chunk in stream]
+    assert chunks[-1].usage is not None
+    usage = chunks[-1].usage.model_dump()
+    assert (usage["completion_tokens"], usage["baton_migrations"]) == (4, 1)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
 async def test_deadline_header_is_a_504_and_travels_to_decode(served_smollm2: ServedModel) -> None:

@@ -66,12 +66,14 @@ async def running_gateway(
     worker_down_after_s: float = 0.5,
     wait_for_worker_s: float = 0.2,
     registry: CollectorRegistry | None = None,
+    max_migrations: int = 3,
 ) -> AsyncIterator[Running]:
     config = GatewayConfig(
         decode=tuple(d.address for d in decode),
         prefill=tuple(p.address for p in prefill),
         port=0,
         max_retries=max_retries,
+        max_migrations=max_migrations,
         grace_s=1.0,
         stats_interval_s=0.05,
         stats_timeout_s=0.5,
@@ -337,24 +339,36 @@ async def test_when_every_prefill_queue_is_full_each_is_asked_once(model: Served
     assert [r.prefill_address for r in decode.requests] == [p[0].address, p[1].address]
 
 
-@pytest.mark.parametrize(
-    ("error", "code"),
-    [
-        (errors.UnavailableError("decode lost its prefill peer"), grpc.StatusCode.UNAVAILABLE),
-        (errors.AbortedError("KV epoch is stale"), grpc.StatusCode.ABORTED),
-    ],
-    ids=["unavailable", "aborted"],
-)
-async def test_failure_after_first_token_surfaces_without_retry(
-    model: ServedModel, error: Exception, code: grpc.StatusCode
-) -> None:
+async def test_abort_after_first_token_surfaces_without_retry(model: ServedModel) -> None:
+    """A plain ABORTED (no drain marker) after the first token is not a worker leaving:
+    the request ends with it (``test_gateway_migration`` has the failures that move)."""
+    error = errors.AbortedError("KV epoch is stale")
     decode = FakeDecodeWorker()
     decode.script = Script(token_ids=[10, 11, 12], error=error, fail_after=2)
     async with fake_workers([decode]) as (d, _), running_gateway(model, d) as gw:
         got, err = await generate_error(gw.stub, text_request())
     assert [t for r in got for t in r.token_ids] == [10, 11]
-    assert err.code() is code
+    assert err.code() is grpc.StatusCode.ABORTED
     assert err.details() == str(error)
+    assert len(decode.requests) == 1
+
+
+async def test_unavailable_after_first_token_with_moves_off_names_the_flag(
+    model: ServedModel,
+) -> None:
+    decode = FakeDecodeWorker()
+    decode.script = Script(
+        token_ids=[10, 11, 12], error=errors.UnavailableError("decode went away"), fail_after=2
+    )
+    async with (
+        fake_workers([decode]) as (d, _),
+        running_gateway(model, d, max_migrations=0) as gw,
+    ):
+        got, err = await generate_error(gw.stub, text_request())
+    assert [t for r in got for t in r.token_ids] == [10, 11]
+    assert err.code() is grpc.StatusCode.UNAVAILABLE
+    assert "decode went away" in err.details()
+    assert "moving requests is off (--max-migrations 0)" in err.details()
     assert len(decode.requests) == 1
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from engine.engine_core import EngineCore
@@ -96,3 +97,43 @@ def test_position_streams_are_distinct_and_reproducible() -> None:
     b = torch.empty(8).exponential_(generator=position_generator(cpu, 3, 4))
     c = torch.empty(8).exponential_(generator=position_generator(cpu, 4, 3))
     assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_a_moved_request_draws_the_same_tokens_as_an_undisturbed_one(tiny_llama: Path) -> None:
+    """What the gateway sends when a request moves to another decode worker
+    (``gateway.migration``): the prompt followed by the outputs already streamed, what is
+    left of max_tokens/min_tokens, and ``output_offset``. Seeded draws and the output-only
+    penalties count from the original output's start, so the continuation is the one the
+    undisturbed request produced (fp32)."""
+    params = SamplingParams(
+        max_tokens=30,
+        min_tokens=12,
+        temperature=1.1,
+        top_k=50,
+        seed=31,
+        presence_penalty=0.8,
+        frequency_penalty=0.6,
+        repetition_penalty=1.2,
+    )
+    whole = _run(make_core(tiny_llama), "a", PROMPT, params)
+    assert len(whole) == 30
+    for done in (1, 9, 17):
+        resumed = SamplingParams(
+            **{
+                **_fields(params),
+                "max_tokens": params.max_tokens - done,
+                "min_tokens": max(0, params.min_tokens - done),
+                "output_offset": done,
+            }
+        )
+        rest = _run(make_core(tiny_llama, seed=5), f"m{done}", PROMPT + whole[:done], resumed)
+        assert whole[:done] + rest == whole, done
+    # Without the offset the move would draw other tokens: the test can tell.
+    naive = SamplingParams(**{**_fields(params), "max_tokens": 21, "min_tokens": 3})
+    assert whole[:9] + _run(make_core(tiny_llama), "n", PROMPT + whole[:9], naive) != whole
+
+
+def test_an_offset_reaching_into_the_prompt_is_refused(tiny_llama: Path) -> None:
+    core = make_core(tiny_llama)
+    with pytest.raises(ValueError, match="output_offset"):
+        core.make_request("x", [1, 2, 3], SamplingParams(output_offset=3))
