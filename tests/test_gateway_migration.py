@@ -106,7 +106,9 @@ async def test_a_stream_moves_on_and_the_client_sees_no_seam(
     assert (sp.seed, sp.logprobs) == (11, 1)
     assert sp.temperature == pytest.approx(0.7)
     # It went to the other worker, not back to the one that failed.
-    original = next(w for w in workers if any(not r.sampling_params.output_offset for r in w.requests))
+    original = next(
+        w for w in workers if any(not r.sampling_params.output_offset for r in w.requests)
+    )
     assert moved not in original.requests
     assert registry.get_sample_value("baton_request_migrations_total", {"reason": reason}) == 1
     lines = [r.getMessage() for r in caplog.records if "moved from decode" in r.getMessage()]

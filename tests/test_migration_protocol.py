@@ -8,8 +8,8 @@ from engine import errors
 from engine.request import FinishReason, RequestOutput, RequestTimings
 from engine.sampling_params import SamplingParams
 from gateway.migration import BrokenStreamError, MoveReason, StreamProgress, move_reason
-from rpc.errors import RoleExhaustedError, WorkerDrainingError
 from protos.baton.v1 import worker_pb2
+from rpc.errors import RoleExhaustedError, WorkerDrainingError
 
 
 @pytest.mark.parametrize(
@@ -26,9 +26,7 @@ from protos.baton.v1 import worker_pb2
         (errors.CancelledError("client"), None),
     ],
 )
-def test_only_a_worker_leaving_moves_a_request(
-    error: Exception, reason: MoveReason | None
-) -> None:
+def test_only_a_worker_leaving_moves_a_request(error: Exception, reason: MoveReason | None) -> None:
     assert move_reason(error) is reason
 
 

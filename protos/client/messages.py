@@ -71,6 +71,9 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int  # prompt tokens served from the prefix cache
+    # Times the request moved to another decode worker mid-stream (its worker died or
+    # drained); the stream went on without a gap.
+    migrations: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +126,7 @@ class Chunk:
                     prompt_tokens=msg.usage.prompt_tokens,
                     completion_tokens=msg.usage.completion_tokens,
                     cached_tokens=msg.usage.cached_tokens,
+                    migrations=msg.usage.migrations,
                 )
                 if msg.HasField("usage")
                 else None
