@@ -24,6 +24,7 @@ from protos.baton.v1 import common_pb2, generate_pb2, worker_pb2
 from rpc.errors import WorkerDrainingError
 from tests.fake_workers import FakeDecodeWorker, Script, eventually, fake_workers
 from tests.test_gateway_service import generate, generate_error, running_gateway
+from tests.test_gateway_tracing import in_memory
 
 PROMPT = [7, 8, 9]
 FIRST = [100, 101, 102]  # what the first worker sends before it fails
@@ -83,10 +84,11 @@ async def test_a_stream_moves_on_and_the_client_sees_no_seam(
 ) -> None:
     workers = _fleet(error)
     registry = CollectorRegistry()
+    provider, spans = in_memory()
     caplog.set_level(logging.INFO, logger="gateway")
     async with (
         fake_workers(workers) as (d, _),
-        running_gateway(model, d, registry=registry) as gw,
+        running_gateway(model, d, registry=registry, tracer_provider=provider) as gw,
     ):
         got = await generate(
             gw.stub, _request(max_tokens=20, min_tokens=5, seed=11, temperature=0.7, logprobs=1)
@@ -111,6 +113,14 @@ async def test_a_stream_moves_on_and_the_client_sees_no_seam(
     )
     assert moved not in original.requests
     assert registry.get_sample_value("baton_request_migrations_total", {"reason": reason}) == 1
+    # The move is an event on the next attempt's routing span, in the request's trace.
+    routes = [sp for sp in spans.get_finished_spans() if sp.name == "gateway.route"]
+    assert len(routes) == 2 and len({sp.context.trace_id for sp in routes}) == 1
+    (event,) = [e for sp in routes for e in sp.events if e.name == "baton.migration"]
+    assert event.attributes is not None
+    assert event.attributes["baton.migration.reason"] == reason
+    assert event.attributes["baton.migration.emitted_tokens"] == 3
+    assert event.attributes["baton.migration.from"] != event.attributes["baton.migration.to"]
     lines = [r.getMessage() for r in caplog.records if "moved from decode" in r.getMessage()]
     assert len(lines) == 1 and f"after 3 token(s) ({reason}, move 1/3)" in lines[0], lines
 

@@ -67,6 +67,7 @@ async def running_gateway(
     wait_for_worker_s: float = 0.2,
     registry: CollectorRegistry | None = None,
     max_migrations: int = 3,
+    tracer_provider: object = None,
 ) -> AsyncIterator[Running]:
     config = GatewayConfig(
         decode=tuple(d.address for d in decode),
@@ -80,7 +81,12 @@ async def running_gateway(
         worker_down_after_s=worker_down_after_s,
         wait_for_worker_s=wait_for_worker_s,
     )
-    gateway = Gateway(config, model=model, registry=registry)
+    gateway = Gateway(
+        config,
+        model=model,
+        registry=registry,
+        tracer_provider=tracer_provider,  # type: ignore[arg-type]
+    )
     server = RpcServer(gateway.spec())
     await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
