@@ -283,7 +283,8 @@ _HELP = {
     "max_model_len": "prompt + output limit; 0: the model's own",
     "enable_prefix_caching": "reuse KV of shared prompt prefixes (true/false)",
     "seed": "seed of unseeded sampling",
-    "num_threads": "torch compute threads; 0: torch's default",
+    "num_threads": "torch compute threads; 0: the CPUs this process may use (its affinity "
+    "mask, --cpus), bounded by its cgroup CPU quota and --cpu-limit",
     "cache_dir": "where converted GGUF checkpoints are cached",
     "enforce_eager": "GPU: no CUDA graphs, every step runs eagerly (true/false)",
     "host": "interface to listen on; 0.0.0.0: every interface",
