@@ -54,6 +54,25 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} CPUs{mem}"
 
 
+# The CPU features that decide which kernels are fast (oneDNN's bf16 GEMM on AMX is
+# several times its AVX512-BF16 speed): every results file names them.
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+def isa_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """Which of ``ISA_FLAGS`` this CPU has, e.g. ``avx2 avx512f avx512_bf16`` (``none``)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return "unknown"
+    flags: set[str] = set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    return " ".join(f for f in ISA_FLAGS if f in flags) or "none"
+
+
 def is_busy(load: float, cpus: int | None = None) -> bool:
     """Whether a 1-minute load average means other work shared the machine."""
     return load > BUSY_LOAD_PER_CPU * (cpus or os.cpu_count() or 1)
