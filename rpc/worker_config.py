@@ -341,8 +341,9 @@ _HELP = {
     "timeline_file": "write a Chrome/Perfetto trace JSON of the engine loop and the transfer "
     "worker to this file on shutdown",
     "cpus": "pin this process to these CPUs at start (a cpu list: 0-3,8); default: as started",
-    "cpu_limit": "cores this worker is granted (the container's CPU limit); --num-threads 0 "
-    "then uses at most this many; 0: no bound beyond the affinity mask and cgroup quota",
+    "cpu_limit": "cores this worker is granted (the chart passes the container's CPU "
+    "request); --num-threads 0 then uses at most this many; 0: no bound beyond the affinity "
+    "mask and cgroup quota",
 }
 
 
