@@ -120,3 +120,10 @@ def test_launcher_named_sets_are_planned_per_kind() -> None:
         WorkerCores(frozenset({2}), 1),
         WorkerCores(frozenset({3}), 1),
     ]
+
+
+def test_baton_serve_plans_by_default_and_no_core_plan_turns_it_off() -> None:
+    from gateway.cli import _parser, _spec
+
+    assert _spec(_parser().parse_args(["serve"])).core_plan is True
+    assert _spec(_parser().parse_args(["run", "--no-core-plan", "hi"])).core_plan is False
