@@ -128,6 +128,23 @@ def _v1_quotas(root: Path, controllers: str, path: str) -> list[float]:
     return out
 
 
+def physical_cores(
+    cpus: frozenset[int], sys_cpu: Path = Path("/sys/devices/system/cpu")
+) -> list[frozenset[int]]:
+    """``cpus`` grouped by physical core (SMT siblings together, from each CPU's
+    ``topology/thread_siblings_list``), ordered by their lowest CPU; a CPU whose topology
+    cannot be read is a core of its own."""
+    groups: dict[frozenset[int], None] = {}
+    for cpu in sorted(cpus):
+        try:
+            text = (sys_cpu / f"cpu{cpu}" / "topology" / "thread_siblings_list").read_text()
+            siblings = parse_cpu_list(text) & cpus
+        except (OSError, ValueError):
+            siblings = frozenset()
+        groups.setdefault(siblings or frozenset({cpu}), None)
+    return sorted(groups, key=min)
+
+
 def parse_cpu_list(text: str) -> frozenset[int]:
     """``"0-3,8"`` -> {0, 1, 2, 3, 8} (the kernel's cpu-list format); ValueError if bad."""
     cpus: set[int] = set()

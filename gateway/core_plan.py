@@ -7,6 +7,10 @@ cores, 3 to 5 workers with a team as wide as the machine each served 5-12x slowe
 one (issue 16). So the plan gives each worker a disjoint set of CPUs and a team as wide
 as its share, and never more threads in all than the cores the launcher may use.
 
+SMT siblings (two CPUs of one physical core) stay in one worker's set when there are at
+least as many physical cores as workers: a worker whose threads ran on the other halves
+of its neighbour's cores would contend with it for every execution unit.
+
 With more workers than cores no split can keep the teams apart: every worker then gets
 a team of one thread on all the CPUs, and the kernel's scheduler balances the workers,
 rather than pinning two busy ones on one core while another core idles.
@@ -34,15 +38,20 @@ _SPARE_CORE_ORDER = ("decode", "both", "prefill")
 
 
 def plan_cores(
-    cpus: frozenset[int] | set[int], kinds: Sequence[str], cores: int | None = None
+    cpus: frozenset[int] | set[int],
+    kinds: Sequence[str],
+    cores: int | None = None,
+    siblings: Sequence[frozenset[int]] | None = None,
 ) -> list[WorkerCores]:
     """One :class:`WorkerCores` per entry of ``kinds`` (prefill | decode | both), in order.
 
     ``cpus``: the CPUs to share (the launcher's affinity mask); ``cores``: how many of
-    them its CPU quota lets it use at once (default all). Each worker gets a disjoint,
-    contiguous slice of ``cpus`` and ``threads`` = its share of ``cores``, so the threads
-    sum to at most ``cores``; with more workers than cores, every worker gets all of
-    ``cpus`` and one thread.
+    them its CPU quota lets it use at once (default all); ``siblings``: ``cpus`` grouped
+    by physical core (``engine.cpu_budget.physical_cores``; default one CPU each). Each
+    worker gets a disjoint slice of whole physical cores (of single CPUs when workers
+    outnumber physical cores) and ``threads`` = its share of ``cores``, at most its CPUs,
+    so the threads sum to at most ``cores``; with more workers than cores, every worker
+    gets all of ``cpus`` and one thread.
     """
     ordered = sorted(cpus)
     if not ordered:
@@ -59,11 +68,15 @@ def plan_cores(
         return []
     if n > cores:
         return [WorkerCores(frozenset(ordered), 1) for _ in kinds]
-    thread_shares = _split(cores, kinds)
-    cpu_shares = _split(len(ordered), kinds)
+    units = [frozenset(g) & frozenset(ordered) for g in (siblings or ())]
+    units = [u for u in units if u]
+    if sorted(c for u in units for c in u) != ordered or n > len(units):
+        units = [frozenset({c}) for c in ordered]  # no (usable) topology: one CPU each
+    units.sort(key=min)
     plan, start = [], 0
-    for threads, width in zip(thread_shares, cpu_shares, strict=True):
-        plan.append(WorkerCores(frozenset(ordered[start : start + width]), threads))
+    for threads, width in zip(_split(cores, kinds), _split(len(units), kinds), strict=True):
+        share = frozenset().union(*units[start : start + width])
+        plan.append(WorkerCores(share, min(threads, len(share))))
         start += width
     return plan
 

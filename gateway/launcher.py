@@ -42,7 +42,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.cpu_budget import format_cpu_list, read_cpu_budget
+from engine.cpu_budget import format_cpu_list, physical_cores, read_cpu_budget
 from gateway.core_plan import WorkerCores, plan_cores
 
 logger = logging.getLogger(__name__)
@@ -306,7 +306,8 @@ class LocalCluster:
                     out[i] = WorkerCores(cpus, len(cpus))
                 continue
             cores = budget.cores if cpus == rest else None
-            planned = plan_cores(cpus, [role or kinds[i] for i in members], cores)
+            members_kinds = [role or kinds[i] for i in members]
+            planned = plan_cores(cpus, members_kinds, cores, physical_cores(cpus))
             for i, share in zip(members, planned, strict=True):
                 out[i] = share
         return out

@@ -127,3 +127,26 @@ def test_baton_serve_plans_by_default_and_no_core_plan_turns_it_off() -> None:
 
     assert _spec(_parser().parse_args(["serve"])).core_plan is True
     assert _spec(_parser().parse_args(["run", "--no-core-plan", "hi"])).core_plan is False
+
+
+def test_smt_siblings_stay_with_one_worker() -> None:
+    # 4 physical cores, their second threads numbered 4-7 (Linux's usual enumeration).
+    siblings = [frozenset({c, c + 4}) for c in range(4)]
+    plan = plan_cores(set(range(8)), ["prefill", "decode"], siblings=siblings)
+    assert plan == [
+        WorkerCores(frozenset({0, 1, 4, 5}), 4),
+        WorkerCores(frozenset({2, 3, 6, 7}), 4),
+    ]
+    # Uneven: whole cores still; threads at most the CPUs of the share.
+    plan = plan_cores(set(range(8)), ["prefill", "decode", "decode"], siblings=siblings)
+    assert [sorted(s.cpus) for s in plan] == [[0, 4], [1, 2, 5, 6], [3, 7]]
+    check_disjoint_and_within(plan, set(range(8)), 8)
+    # More workers than physical cores (but not than CPUs): split single CPUs.
+    plan = plan_cores(set(range(8)), ["decode"] * 5, siblings=siblings)
+    check_disjoint_and_within(plan, set(range(8)), 8)
+    assert len(plan) == 5
+
+
+def test_topology_that_does_not_cover_the_cpus_is_ignored() -> None:
+    plan = plan_cores({0, 1}, ["prefill", "decode"], siblings=[frozenset({0, 9})])
+    assert plan == [WorkerCores(frozenset({0}), 1), WorkerCores(frozenset({1}), 1)]

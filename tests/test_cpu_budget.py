@@ -128,3 +128,22 @@ def test_cpu_lists_round_trip_and_bad_ones_name_the_value() -> None:
     for bad in ("", "a-b", "3-1", "-2"):
         with pytest.raises(ValueError, match="cpu list"):
             parse_cpu_list(bad)
+
+
+def test_physical_cores_group_smt_siblings_from_sysfs(tmp_path: Path) -> None:
+    from engine.cpu_budget import physical_cores
+
+    for cpu in range(4):
+        d = tmp_path / f"cpu{cpu}" / "topology"
+        d.mkdir(parents=True)
+        (d / "thread_siblings_list").write_text(f"{cpu % 2},{cpu % 2 + 2}\n")
+    assert physical_cores(frozenset(range(4)), tmp_path) == [
+        frozenset({0, 2}),
+        frozenset({1, 3}),
+    ]
+    # Only the CPUs asked about; a CPU without topology is a core of its own.
+    assert physical_cores(frozenset({0, 1, 7}), tmp_path) == [
+        frozenset({0}),
+        frozenset({1}),
+        frozenset({7}),
+    ]
