@@ -57,11 +57,11 @@ class TimelineCluster(LocalCluster):
         super().__init__(spec)
         self._files = files
 
-    def _spawn(self, kind: str, index: int, argv: list[str], port: int = 0):  # noqa: ANN202
+    def _spawn(self, kind: str, index: int, argv: list[str], port: int = 0, cores=None):  # noqa: ANN001, ANN202
         extra = ["--timeline-file", str(self._files[kind])] if kind in self._files else []
         if kind == "decode":  # its own shm segment name (the default one is shared)
             extra += ["--transport-address", f"baton-tl-{uuid.uuid4().hex[:16]}"]
-        return super()._spawn(kind, index, [*argv, *extra], port)
+        return super()._spawn(kind, index, [*argv, *extra], port, cores=cores)
 
 
 def run_w1(model: str, limit: int, dtype: str, workdir: Path) -> tuple[list[Path], dict]:

@@ -35,6 +35,8 @@ from typing import TypeVar
 
 import torch
 
+from engine.cpu_budget import read_cpu_budget
+
 T = TypeVar("T")
 
 # The OpenMP runtime torch loaded: GNU (libgomp, its own copy in a pip wheel), LLVM or Intel.
@@ -78,14 +80,15 @@ def serial_torch_here() -> bool:
 
 class ComputeThread:
     def __init__(self, num_threads: int = 0, name: str = "runner"):
-        """``num_threads`` > 0 sets torch's intra-op threads on the compute thread."""
+        """``num_threads`` > 0 sets torch's intra-op threads on the compute thread; 0
+        sizes them from the process's CPU budget (``engine.cpu_budget``: affinity mask
+        and cgroup quota), never from the host's core count as torch's default does."""
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name)
         self._ident = self._pool.submit(self._start, num_threads).result()
 
     @staticmethod
     def _start(num_threads: int) -> int:
-        if num_threads > 0:
-            torch.set_num_threads(num_threads)
+        torch.set_num_threads(num_threads if num_threads > 0 else read_cpu_budget().cores)
         return threading.get_ident()
 
     def on_thread(self) -> bool:

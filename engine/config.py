@@ -146,7 +146,7 @@ class EngineConfig:
     max_model_len: int = 0
     enable_prefix_caching: bool = True
     seed: int = 0
-    num_threads: int = 0  # 0: leave torch's default
+    num_threads: int = 0  # 0: from the CPU budget (engine.cpu_budget)
     cache_dir: str | None = None
     # GPU: run every step eagerly instead of replaying CUDA graphs for decode steps.
     enforce_eager: bool = False
@@ -181,6 +181,10 @@ class EngineConfig:
             )
         if self.max_model_len < 0:
             raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")
+        if self.num_threads < 0:
+            raise ValueError(
+                f"num_threads must be >= 0 (0: from the CPU budget), got {self.num_threads}"
+            )
         if self.max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
         if self.kv_growth_tokens < 0:

@@ -7,7 +7,8 @@
 
 ``run`` and ``serve`` start a gateway and ``--prefill-workers`` prefill and
 ``--decode-workers`` decode workers (one each by default) as separate processes on
-127.0.0.1 (``--single-process`` for workers doing both). The gateway finds them as it
+127.0.0.1 (``--single-process`` for workers doing both), which share the host's cores
+by a plan (``gateway.core_plan``; ``--no-core-plan`` turns it off). The gateway finds them as it
 does in Kubernetes, by ``dns:///`` names, answered here from a file the launcher keeps
 (``gateway.launcher``). ``generate`` and the streaming part of ``run`` are the Python
 client's command line (``protos.client``).
@@ -21,6 +22,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from engine.cpu_budget import format_cpu_list
 from gateway.launcher import ClusterSpec, LocalCluster
 from protos.client import cli as client_cli
 
@@ -38,6 +40,14 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--decode-workers", type=int, default=1, help="decode (or single-process) workers"
     )
+    p.add_argument(
+        "--core-plan",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="split this host's cores between the workers: each pinned to its own CPUs "
+        "with a compute team as wide as its share, never more threads in all than cores "
+        "(default on; --no-core-plan: every worker sizes its team from the whole host)",
+    )
     p.add_argument("--log-level", default="WARNING")
 
 
@@ -54,6 +64,7 @@ def _spec(
         gateway_port=gateway_port,
         http_port=http_port,
         log_level=args.log_level,
+        core_plan=args.core_plan,
     )
 
 
@@ -106,10 +117,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             return client_cli.main([*flags, args.prompt], prog="baton run")
     with LocalCluster(_spec(args, args.gateway_port, args.http_port)) as cluster:
         http = f", OpenAI HTTP on http://{cluster.http_address}/v1" if cluster.http_address else ""
+        cores = "; ".join(
+            f"{p.kind} cpus {format_cpu_list(p.cores.cpus)} x{p.cores.threads} threads"
+            for p in cluster.procs
+            if p.cores is not None
+        )
         print(
             f"baton: serving on {cluster.gateway_address}{http} "
             f"(decode {cluster.addresses('decode')}, prefill {cluster.addresses('prefill')}; "
-            f"the gateway finds them by name in {cluster.resolve_file}); Ctrl-C stops",
+            f"the gateway finds them by name in {cluster.resolve_file})"
+            f"{'; cores: ' + cores if cores else ''}; Ctrl-C stops",
             file=sys.stderr,
         )
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

@@ -15,6 +15,13 @@ that is stopped (:meth:`LocalCluster.terminate`) leaves the answer and drains.
 
 Workers run niced (``ClusterSpec.worker_nice``, 10): on one host their compute threads
 would otherwise take the CPU time the gateway needs to answer calls, refusals included.
+
+The workers share the host's cores by a plan (``gateway.core_plan``, on by default:
+``ClusterSpec.core_plan``): each gets a disjoint set of CPUs and a compute team as wide
+as it, passed on its command line (``--cpus``, ``--num-threads``); the worker pins itself
+in its ``__main__`` (``rpc.worker_cpus``). A worker added later
+(:meth:`LocalCluster.add_worker`) gets its share of a plan made again over every running
+worker and itself; the running ones keep theirs until they restart.
 """
 
 from __future__ import annotations
@@ -34,6 +41,9 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from engine.cpu_budget import format_cpu_list, physical_cores, read_cpu_budget
+from gateway.core_plan import WorkerCores, plan_cores
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +66,14 @@ class ClusterSpec:
     # Extra flags for every worker (e.g. ("--num-blocks", "512")).
     worker_args: tuple[str, ...] = ()
     gateway_args: tuple[str, ...] = ()
-    # CPU sets per worker kind, e.g. {"prefill": {0}, "decode": {1}}; empty: no pinning.
+    # CPU sets per worker kind, e.g. {"prefill": {0}, "decode": {1}}: the workers of a
+    # kind share its set (by the core plan, or each with a team as wide as the set when
+    # the plan is off). Kinds not named here share the launcher's other CPUs.
     cpus: dict[str, frozenset[int]] = field(default_factory=dict)
+    # Plan the cores between the workers (gateway.core_plan): disjoint CPU sets, and
+    # never more compute threads in all than cores. Off: every worker sizes its team
+    # from the whole host (what several teams on one host fight over).
+    core_plan: bool = True
     gateway_port: int = 0  # 0: any free port
     http_port: int | None = None  # the gateway's OpenAI-compatible HTTP; None: off, 0: any
     start_timeout_s: float = 600.0
@@ -95,6 +111,7 @@ class LocalProcess:
     address: str = ""  # 127.0.0.1:PORT once it reported its port
     listed: bool = False  # in its fleet's answer (serving, not stopped)
     metrics_address: str = ""  # 127.0.0.1:PORT of /metrics, with ClusterSpec.metrics
+    cores: WorkerCores | None = None  # its share of the core plan; None: not planned
 
 
 class LocalCluster:
@@ -147,7 +164,11 @@ class LocalCluster:
         kinds = ["decode"] * s.num_decode
         if s.mode == "disaggregated":
             kinds = ["prefill"] * s.num_prefill + kinds
-        workers = [self._spawn(k, self._next_index(k), self.worker_argv(k)) for k in kinds]
+        shares = self.plan(kinds)
+        workers = [
+            self._spawn(k, self._next_index(k), self.worker_argv(k), cores=c)
+            for k, c in zip(kinds, shares, strict=True)
+        ]
         deadline = time.monotonic() + s.start_timeout_s
         for proc in workers:
             self._await_port(proc, deadline)
@@ -225,7 +246,11 @@ class LocalCluster:
         kinds = WORKER_KINDS if self.spec.mode == "disaggregated" else ("decode",)
         if kind not in kinds:
             raise ValueError(f"kind must be one of {kinds} in {self.spec.mode} mode, got {kind!r}")
-        proc = self._spawn(kind, self._next_index(kind), argv or self.worker_argv(kind), port)
+        running = [p.kind for p in self.procs if p.kind in WORKER_KINDS and p.popen.poll() is None]
+        cores = self.plan([*running, kind])[-1]
+        proc = self._spawn(
+            kind, self._next_index(kind), argv or self.worker_argv(kind), port, cores=cores
+        )
         deadline = time.monotonic() + (timeout_s or self.spec.start_timeout_s)
         self._await_port(proc, deadline)
         wait_serving(proc.address, deadline - time.monotonic(), proc, self.spec.probe_credentials)
@@ -258,15 +283,65 @@ class LocalCluster:
 
     # -- internals --------------------------------------------------------------------
 
+    def plan(self, kinds: list[str]) -> list[WorkerCores | None]:
+        """Each worker's share of the cores, for workers of ``kinds`` in this order
+        (``gateway.core_plan``). Kinds with a set in ``spec.cpus`` share that set; the
+        others share the rest of the launcher's CPUs (all of them if none is left), within
+        its cgroup quota. None for a worker the plan leaves alone (plan off, no set)."""
+        s = self.spec
+        role = "both" if s.mode == "single" else None
+        out: list[WorkerCores | None] = [None] * len(kinds)
+        budget = read_cpu_budget()
+        named = frozenset().union(*s.cpus.values()) if s.cpus else frozenset()
+        rest = budget.cpus - named or budget.cpus
+        groups: dict[frozenset[int], list[int]] = {}
+        for i, kind in enumerate(kinds):
+            if kind in s.cpus:
+                groups.setdefault(frozenset(s.cpus[kind]), []).append(i)
+            elif s.core_plan:
+                groups.setdefault(rest, []).append(i)
+        for cpus, members in groups.items():
+            if not s.core_plan:  # a named set, unplanned: each worker sizes from it
+                for i in members:
+                    out[i] = WorkerCores(cpus, len(cpus))
+                continue
+            cores = budget.cores if cpus == rest else None
+            members_kinds = [role or kinds[i] for i in members]
+            planned = plan_cores(cpus, members_kinds, cores, physical_cores(cpus))
+            for i, share in zip(members, planned, strict=True):
+                out[i] = share
+        return out
+
     def _next_index(self, kind: str) -> int:
         """Every process gets a fresh index, so no stale port file is taken for its own."""
         index = self._spawned.get(kind, 0)
         self._spawned[kind] = index + 1
         return index
 
-    def _spawn(self, kind: str, index: int, argv: list[str], port: int = 0) -> LocalProcess:
+    def _spawn(
+        self,
+        kind: str,
+        index: int,
+        argv: list[str],
+        port: int = 0,
+        cores: WorkerCores | None = None,
+    ) -> LocalProcess:
         port_file = self.workdir / f"{kind}-{index}.port"
         log = self.workdir / f"{kind}-{index}.log"
+        env = dict(os.environ)
+        if cores is not None:
+            # Right after the module name, so that a --num-threads of the caller's (later
+            # on the line) wins. The worker pins itself (rpc.worker_cpus); OpenMP also
+            # reads the team size from the environment when torch loads.
+            argv = [
+                argv[0],
+                "--cpus",
+                format_cpu_list(cores.cpus),
+                "--num-threads",
+                str(cores.threads),
+                *argv[1:],
+            ]
+            env["OMP_NUM_THREADS"] = str(cores.threads)
         cmd = [
             sys.executable,
             "-m",
@@ -282,11 +357,6 @@ class LocalCluster:
         if self.spec.metrics:
             metrics_address = f"127.0.0.1:{_free_port()}"
             cmd += ["--metrics-port", metrics_address.rpartition(":")[2]]
-        cpus = self.spec.cpus.get(kind)
-        env = dict(os.environ)
-        if cpus:
-            # One compute thread per pinned core: more threads than cores only contend.
-            env["OMP_NUM_THREADS"] = str(len(cpus))
 
         nice = self.spec.worker_nice if kind in WORKER_KINDS else 0
         if nice and (nice_binary := shutil.which("nice")):
@@ -294,19 +364,11 @@ class LocalCluster:
             # fork and run Python in the child, which crashes (SIGSEGV) a launcher whose
             # other threads are inside gRPC, as a test's or a server's are.
             cmd = [nice_binary, "-n", str(nice), *cmd]
-
-        def pin() -> None:
-            os.sched_setaffinity(0, cpus)
-
         with open(log, "wb") as out:
-            popen = subprocess.Popen(
-                cmd,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-                preexec_fn=pin if cpus else None,
-            )
-        proc = LocalProcess(kind, popen, port_file, log, metrics_address=metrics_address)
+            popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        proc = LocalProcess(
+            kind, popen, port_file, log, metrics_address=metrics_address, cores=cores
+        )
         self.procs.append(proc)
         return proc
 

@@ -18,6 +18,7 @@ from rpc.metrics import WorkerCollector, WorkerSampler, metrics_endpoint, new_re
 from rpc.server import ServerSpec, serve
 from rpc.tracing import build_tracer_provider
 from rpc.worker_config import WorkerConfig, WorkerSecurity
+from rpc.worker_cpus import settle_cpus
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -34,6 +35,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    try:
+        # Before torch is imported: its OpenMP team starts inside the pinned mask.
+        cfg = settle_cpus(cfg)
+    except ValueError as err:
+        print(f"prefill_service: {err}", file=sys.stderr)
+        return 2
     try:
         asyncio.run(_run(cfg))
     except ValueError as err:

@@ -25,6 +25,7 @@ from typing import Any
 import grpc
 
 from engine.config import EngineConfig
+from engine.cpu_budget import format_cpu_list, parse_cpu_list
 from engine.transfer.base import check_transport_device
 from engine.transfer.fleet_auth import FleetKey
 from rpc.tls import TlsFiles, TlsMaterial
@@ -87,6 +88,12 @@ class WorkerConfig:
     # Write a Chrome/Perfetto trace of the engine loop and the transfer worker here on
     # shutdown; None: nothing is recorded.
     timeline_file: Path | None = None
+    # --- CPUs (rpc.worker_cpus, engine.cpu_budget) ---
+    # Pin the process to these CPUs at start (the launcher's core plan); None: as started.
+    cpus: frozenset[int] | None = None
+    # Cores the deployment grants (Kubernetes: the container's limits.cpu); bounds the
+    # compute team of --num-threads 0 with the affinity mask and cgroup quota. None: no bound.
+    cpu_limit: float | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -129,6 +136,8 @@ class WorkerConfig:
         if self.tls_cert is not None or self.tls_key is not None or self.tls_ca is not None:
             if None in (self.tls_cert, self.tls_key, self.tls_ca):
                 raise ValueError("tls_cert, tls_key and tls_ca must be given together (mTLS)")
+        if self.cpu_limit is not None and not self.cpu_limit > 0:
+            raise ValueError(f"cpu_limit must be > 0, got {self.cpu_limit}")
         if self.prefill_allow and self.role == "prefill":
             raise ValueError("prefill_allow applies to decode workers only")
 
@@ -146,6 +155,7 @@ class WorkerConfig:
         """The resolved configuration as one JSON object (what ``--check-config`` prints)."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         fields["engine"] = dataclasses.asdict(self.engine)
+        fields["cpus"] = format_cpu_list(self.cpus) if self.cpus else None
         service = "prefill_service" if self.role == "prefill" else "decode_service"
         return json.dumps({"service": service, "config": fields}, default=str, sort_keys=True)
 
@@ -231,6 +241,10 @@ def _optional_int(raw: str) -> int | None:
     return None if raw.lower() in ("", "none", "auto") else int(raw)
 
 
+def _optional_float(raw: str) -> float | None:
+    return None if raw.lower() in ("", "none", "0") else float(raw)
+
+
 # Flags that may repeat (their values are joined with commas).
 _REPEATED = frozenset({"prefill_allow"})
 
@@ -274,6 +288,8 @@ _FIELDS: dict[str, tuple[Callable[[str], Any], str]] = {
     "prefill_allow": (_list, "worker"),
     "otlp_endpoint": (str, "worker"),
     "timeline_file": (Path, "worker"),
+    "cpus": (parse_cpu_list, "worker"),
+    "cpu_limit": (_optional_float, "worker"),
 }
 
 _HELP = {
@@ -288,7 +304,8 @@ _HELP = {
     "max_model_len": "prompt + output limit; 0: the model's own",
     "enable_prefix_caching": "reuse KV of shared prompt prefixes (true/false)",
     "seed": "seed of unseeded sampling",
-    "num_threads": "torch compute threads; 0: torch's default",
+    "num_threads": "torch compute threads; 0: the CPUs this process may use (its affinity "
+    "mask, --cpus), bounded by its cgroup CPU quota and --cpu-limit",
     "cache_dir": "where converted GGUF checkpoints are cached",
     "enforce_eager": "GPU: no CUDA graphs, every step runs eagerly (true/false)",
     "host": "interface to listen on; 0.0.0.0: every interface",
@@ -331,6 +348,10 @@ _HELP = {
     "otlp_endpoint": "export trace spans over OTLP/gRPC to this URL (http://host:4317)",
     "timeline_file": "write a Chrome/Perfetto trace JSON of the engine loop and the transfer "
     "worker to this file on shutdown",
+    "cpus": "pin this process to these CPUs at start (a cpu list: 0-3,8); default: as started",
+    "cpu_limit": "cores this worker is granted (the chart passes the container's CPU "
+    "request); --num-threads 0 then uses at most this many; 0: no bound beyond the affinity "
+    "mask and cgroup quota",
 }
 
 

@@ -56,11 +56,11 @@ class E2ECluster(LocalCluster):
         self._extra = {"prefill": tuple(prefill_args), "decode": tuple(decode_args)}
         self._argv: dict[int, tuple[int, list[str]]] = {}
 
-    def _spawn(self, kind: str, index: int, argv: list[str], port: int = 0):  # noqa: ANN202
+    def _spawn(self, kind: str, index: int, argv: list[str], port: int = 0, cores=None):  # noqa: ANN001, ANN202
         extra = list(self._extra.get(kind, ()))
         if kind == "decode" and self.spec.mode == "disaggregated" and self._uses_shm(argv):
             extra += ["--transport-address", f"baton-e2e-{uuid.uuid4().hex[:16]}"]
-        proc = super()._spawn(kind, index, [*argv, *extra], port)
+        proc = super()._spawn(kind, index, [*argv, *extra], port, cores=cores)
         self._argv[id(proc)] = (index, list(argv))
         return proc
 

@@ -9,6 +9,7 @@ renders and the kustomize base) are rewritten by ``BATON_UPDATE_GOLDEN=1``.
 from __future__ import annotations
 
 import functools
+import math
 import shutil
 import subprocess
 import sys
@@ -204,11 +205,37 @@ class Container:
         for var in self.spec.get("env", []):
             if "value" in var:
                 env[var["name"]] = str(var["value"])
+            elif "resourceFieldRef" in var["valueFrom"]:
+                env[var["name"]] = self.resource_field(var["valueFrom"]["resourceFieldRef"])
             else:
                 field = var["valueFrom"]["fieldRef"]["fieldPath"]
                 assert field == "status.podIP", f"{self.name}: unexpected env source {var}"
                 env[var["name"]] = pod_ip
         return env
+
+    def resource_field(self, ref: dict[str, Any]) -> str:
+        """What the kubelet gives a ``resourceFieldRef`` on CPU: the quantity over the
+        divisor, rounded up; an unset request is the limit, or 0; an unset limit the
+        node's allocatable CPUs."""
+        resources = self.spec.get("resources", {})
+        requests, limits = resources.get("requests", {}), resources.get("limits", {})
+        kind, _, what = ref["resource"].partition(".")
+        assert what == "cpu", f"{self.name}: unexpected resource field {ref}"
+        if kind == "requests":
+            quantity = requests.get("cpu", limits.get("cpu", "0"))
+        else:
+            quantity = limits.get("cpu", str(NODE_CPUS))
+        return str(math.ceil(cpu_cores(quantity) / cpu_cores(str(ref.get("divisor", "1")))))
+
+
+def cpu_cores(quantity: str) -> float:
+    """A Kubernetes CPU quantity in cores: "2" -> 2.0, "500m" -> 0.5."""
+    quantity = str(quantity)
+    return int(quantity[:-1]) / 1000 if quantity.endswith("m") else float(quantity)
+
+
+# The allocatable CPUs of the node a test pretends the pods run on.
+NODE_CPUS = 16
 
 
 def containers(objects: Sequence[dict[str, Any]]) -> list[Container]:

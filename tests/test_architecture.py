@@ -26,6 +26,7 @@ TORCH_FREE_ENGINE = {
     "engine.errors",
     "engine.block_pool",
     "engine.scheduler",
+    "engine.cpu_budget",
 }
 NON_PRODUCTION = {"tests", "benchmarks"}
 

@@ -13,6 +13,7 @@ changes is asserted in tests/test_k8s_values.py.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import subprocess
@@ -32,6 +33,7 @@ from tests.k8s_manifests import (
     Container,
     check_config,
     containers,
+    cpu_cores,
     example_values,
     golden_files,
     kustomize,
@@ -216,6 +218,10 @@ def test_every_container_passes_its_services_config_parser(renders, overlays) ->
                 assert target.startswith("dns:///"), f"{where}: {target}"
         else:
             assert cfg["advertise_host"] == "10.0.0.7", f"{where}: {c.name} advertises {cfg}"
+            # numThreads 0 sizes the team by the pod's CPU request, not the node's cores.
+            request = c.spec.get("resources", {}).get("requests", {}).get("cpu")
+            if request is not None:
+                assert cfg["cpu_limit"] == math.ceil(cpu_cores(request)), f"{where}: {cfg}"
             assert cfg["transport"] in ("gloo", "nccl", "shm", "cuda_ipc")
             if cfg["transport"] in ("gloo", "nccl") and c.role == "decode":
                 assert cfg["transport_address"] == f"10.0.0.7:{c.ports['kv-store']}", where
@@ -448,6 +454,8 @@ def test_schema_allows_exactly_the_flags_the_chart_leaves_to_values() -> None:
         # A local debugging aid: the trace is written at exit, which a pod's filesystem
         # does not outlive; the chart leaves it unset.
         "timelineFile",
+        "cpuLimit",  # the container's CPU request, through the downward API
+        "cpus",  # the local launcher's core plan; a pod's CPUs are the kubelet's to set
     }
     assert allowed["gateway"] | gateway_by_chart == _flags(gateway_parser())
     assert not allowed["gateway"] & gateway_by_chart

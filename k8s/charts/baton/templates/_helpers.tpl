@@ -203,7 +203,8 @@ grpc:
 {{/*
 One container of a role; pass (dict "root" $ "role" ROLE). Flags that locate the process
 (host, ports, drain) are arguments; everything else comes from the ConfigMap as
-BATON_<ROLE>_* environment twins, plus the pod IP as the advertise host of workers.
+BATON_<ROLE>_* environment twins, plus the pod IP as the advertise host of workers and
+their CPU request as the bound of their compute team.
 */}}
 {{- define "baton.container" -}}
 {{- $root := .root }}
@@ -233,6 +234,13 @@ BATON_<ROLE>_* environment twins, plus the pod IP as the advertise host of worke
       valueFrom:
         fieldRef:
           fieldPath: status.podIP
+    {{- /* The cores the pod was granted bound numThreads 0 (rpc.worker_cpus): without
+    a CPU limit there is no cgroup quota, and torch would size its team by the node. */}}
+    - name: {{ include "baton.envPrefix" $role }}CPU_LIMIT
+      valueFrom:
+        resourceFieldRef:
+          resource: requests.cpu
+          divisor: "1"
     {{- with $block.env }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
