@@ -55,6 +55,7 @@ from rpc.convert import (
     worker_stats_to_proto,
 )
 from rpc.errors import WorkerDrainingError
+from rpc.kv_events import kv_event_stream
 from rpc.liveness import EngineStall, unless_fatal
 from rpc.tls import TlsMaterial, server_name_option
 from rpc.tracing import context_from_metadata, span
@@ -239,6 +240,13 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             engine.busy_fraction(),
             engine.core.layout,
         )
+
+    async def KVEvents(
+        self, request: worker_pb2.KVEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.KVEventBatch]:
+        core = self._engine().core
+        async for batch in kv_event_stream(core.kv_events, core.layout.block_size):
+            yield batch
 
     async def Decode(
         self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext

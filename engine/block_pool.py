@@ -12,6 +12,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence, Set
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.kv_events import KVEventLog
 
 # Parent hash of the first block of every sequence.
 ROOT_HASH = 0
@@ -57,7 +61,13 @@ class BlockPool:
     block more often than it was referenced is a bug and raises AssertionError.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        events: KVEventLog | None = None,
+    ):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -76,6 +86,8 @@ class BlockPool:
         self._twin_epoch = [0] * num_blocks
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
+        # Told of every hash the prefix cache registers or drops (the worker's KV events).
+        self.events = events
 
     # -- capacity ---------------------------------------------------------------------
 
@@ -209,6 +221,8 @@ class BlockPool:
             self._cached[h] = block_id
             self._hash_of[block_id] = h
             self._key_of[block_id] = key
+            if self.events is not None:
+                self.events.stored(h)
         elif self._key_of[existing] == key:
             self._twin[block_id] = existing
             self._twin_epoch[block_id] = self._epoch[existing]
@@ -219,9 +233,11 @@ class BlockPool:
         self.prefix_hit_tokens += hit_tokens
 
     def reset_prefix_cache(self) -> None:
-        for block_id in list(self._cached.values()):
+        for h, block_id in self._cached.items():
             self._hash_of[block_id] = None
             self._key_of[block_id] = None
+            if self.events is not None:
+                self.events.removed(h)
         self._cached.clear()
         self._twin = [NO_PARENT] * self.num_blocks
 
@@ -231,5 +247,7 @@ class BlockPool:
         if h is not None:
             if self._cached.get(h) == block_id:
                 del self._cached[h]
+                if self.events is not None:
+                    self.events.removed(h)
             self._hash_of[block_id] = None
             self._key_of[block_id] = None

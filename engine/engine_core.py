@@ -17,6 +17,7 @@ from engine.block_pool import BlockPool
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_runner import CudaModelRunner
 from engine.device import resolve_device
+from engine.kv_events import KVEventLog
 from engine.kv_layout import KVLayout
 from engine.model_files import ModelFiles, read_hf_config, resolve_model
 from engine.model_runner import ModelRunner
@@ -67,7 +68,11 @@ class EngineCore:
             kv_pool=pool_tensor,
             show_progress=show_progress,
         )
-        self.pool = BlockPool(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        # What the prefix cache stores and evicts, for the worker's KV events stream.
+        self.kv_events = KVEventLog()
+        self.pool = BlockPool(
+            num_blocks, cfg.block_size, cfg.enable_prefix_caching, events=self.kv_events
+        )
         self.scheduler = Scheduler(
             self.pool,
             max_num_seqs=cfg.max_num_seqs,
@@ -138,13 +143,16 @@ class EngineCore:
     def update(
         self, sched: SchedulerOutput, sampled: list[SampledToken | None]
     ) -> list[RequestOutput]:
-        return self.scheduler.update(sched, sampled)
+        outputs = self.scheduler.update(sched, sampled)
+        self.kv_events.close_batch()
+        return outputs
 
     def warm_up(self) -> None:
         """Run one tiny request through every path a step takes (prefill, decode, sample),
         then forget its KV, so the first real request pays no first-call costs."""
         self.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
         self.pool.reset_prefix_cache()
+        self.kv_events.close_batch()
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()

@@ -27,7 +27,9 @@ from gateway.dispatcher import Dispatcher
 from gateway.generation import Generation
 from gateway.http_api import build_app
 from gateway.http_server import HttpServer
-from gateway.metrics import GatewayMetrics, WorkersCollector
+from gateway.kv_feed import KVFeed
+from gateway.kv_index import KVIndex
+from gateway.metrics import GatewayMetrics, RoutingCollector, WorkersCollector
 from gateway.router import Router
 from gateway.served_model import ServedModel, locate_model
 from gateway.servicer import BatonServicer
@@ -87,6 +89,8 @@ class Gateway:
             resolve_interval_s=config.resolve_interval_s,
             wait_for_worker_s=config.wait_for_worker_s,
             same_host_prefill=config.same_host_prefill,
+            kv_feed=KVFeed(KVIndex(), self.channels) if config.routing == "kv" else None,
+            cache_weight=config.kv_cache_weight,
         )
         tracer = (tracer_provider or trace.NoOpTracerProvider()).get_tracer("baton.gateway")
         self.dispatcher = Dispatcher(
@@ -100,6 +104,11 @@ class Gateway:
         if registry is not None:
             registry.register(
                 WorkersCollector(lambda: ((w.kind.value, w.up) for w in self.router.workers))
+            )
+            registry.register(
+                RoutingCollector(
+                    lambda: (self.router.routed_prompt_tokens, self.router.routed_cached_tokens)
+                )
             )
         self.generation = Generation(
             self.model,

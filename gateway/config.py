@@ -21,6 +21,7 @@ from rpc.tls import TlsFiles
 
 ENV_PREFIX = "BATON_GATEWAY_"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+ROUTINGS = ("kv", "load")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +53,11 @@ class GatewayConfig:
     # Pair each decode worker with a prefill worker on its own host (co-located pods,
     # whose KV moves over shm / cuda_ipc and cannot cross hosts).
     same_host_prefill: bool = False
+    # kv: route a prompt where its prefix is cached (the workers' KV events) against the
+    # work queued there; load: by load only.
+    routing: str = "kv"
+    # How much one cached prompt token counts against one queued token (kv routing).
+    kv_cache_weight: float = 1.0
     metrics_port: int = 0  # Prometheus metrics over HTTP on this port; 0: off
     log_level: str = "INFO"
     # --- OpenAI-compatible HTTP and traces (gateway.http_server, rpc.tracing) ---
@@ -99,6 +105,10 @@ class GatewayConfig:
             raise ValueError(f"metrics_port and port must differ, both are {self.port}")
         if self.max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
+        if not self.kv_cache_weight >= 0:
+            raise ValueError(f"kv_cache_weight must be >= 0, got {self.kv_cache_weight}")
         if self.max_migrations < 0:
             raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
         if self.grace_s < 0:
@@ -215,6 +225,8 @@ _FIELDS: dict[str, Callable[[str], Any]] = {
     "resolve_interval_s": float,
     "resolve_file": Path,
     "same_host_prefill": _bool,
+    "routing": str,
+    "kv_cache_weight": float,
     "metrics_port": int,
     "log_level": str.upper,
     "http_port": int,
@@ -285,6 +297,15 @@ def _parser() -> argparse.ArgumentParser:
         "--same-host-prefill",
         help="true: pair each decode worker with a prefill worker on its own host "
         "(co-located pods sharing shm); default false",
+    )
+    p.add_argument(
+        "--routing",
+        help="kv: send a prompt where its prefix is cached, weighed against the work queued "
+        "there (the workers' KV events); load: by load only (default kv)",
+    )
+    p.add_argument(
+        "--kv-cache-weight",
+        help="kv routing: how much a cached prompt token counts against a queued one (1.0)",
     )
     p.add_argument("--metrics-port", help="serve Prometheus metrics on this port; 0: off (0)")
     p.add_argument(

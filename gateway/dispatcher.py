@@ -138,6 +138,7 @@ class Dispatcher:
                     avoid_prefill=[*failed_prefill, *full_prefill],
                     avoid_decode=[*failed_decode, *full_decode],
                     timeout=None if deadline is None else deadline - loop.time(),
+                    prompt=prompt,
                 )
                 if route.decode in full_decode or (route.prefill and route.prefill in full_prefill):
                     # Every worker of that role that is up said it has no room; asking one

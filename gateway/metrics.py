@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gateway.migration import MoveReason
@@ -157,3 +157,28 @@ class WorkersCollector(Collector):
             known.add_metric([kind], n_known)
         yield up
         yield known
+
+
+class RoutingCollector(Collector):
+    """``baton_routed_prompt_tokens_total`` and ``baton_routed_cached_prompt_tokens_total``:
+    prompt tokens routed with cache-aware routing, and of those the ones the chosen worker
+    already held (their ratio is the routing's prefix hit rate)."""
+
+    def __init__(self, counts: Callable[[], tuple[int, int]]) -> None:
+        self._counts = counts  # (routed, cached), read on the metrics thread
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        routed, cached = self._counts()
+        yield CounterMetricFamily(
+            "baton_routed_prompt_tokens",
+            "Prompt tokens routed by cache-aware routing (--routing kv).",
+            value=routed,
+        )
+        yield CounterMetricFamily(
+            "baton_routed_cached_prompt_tokens",
+            "Of those, the tokens the chosen worker held in its prefix cache.",
+            value=cached,
+        )

@@ -44,6 +44,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.errors import ResourceExhaustedError, UnavailableError
 from gateway.discovery import Fleet, Resolver, system_resolver
+from gateway.kv_feed import KVFeed
+from gateway.kv_index import PromptHashes
 from gateway.workers import ACCEPTED_ROLES, NOT_POLLED, Route, WorkerKind, WorkerState, host_of
 from protos.baton.v1 import worker_pb2, worker_pb2_grpc
 from rpc.channels import ChannelCache
@@ -74,6 +76,8 @@ class Router:
         resolve_interval_s: float = 5.0,
         wait_for_worker_s: float = 3.0,
         same_host_prefill: bool = False,
+        kv_feed: KVFeed | None = None,
+        cache_weight: float = 1.0,
     ) -> None:
         if not decode:
             raise ValueError("decode must list at least one worker target")
@@ -87,6 +91,15 @@ class Router:
                 raise ValueError(f"{name} must be > 0, got {value}")
         if wait_for_worker_s < 0:
             raise ValueError(f"wait_for_worker_s must be >= 0, got {wait_for_worker_s}")
+        if not cache_weight >= 0:
+            raise ValueError(f"cache_weight must be >= 0, got {cache_weight}")
+        # Cache-aware routing (None: by load only): the workers' KV events, and how much a
+        # cached prompt token counts against a queued one.
+        self._kv_feed = kv_feed
+        self._cache_weight = cache_weight
+        # Prompt tokens routed, and of those the ones the chosen worker held (kv routing).
+        self.routed_prompt_tokens = 0
+        self.routed_cached_tokens = 0
         self._fleets = {
             WorkerKind.DECODE: Fleet("decode", decode, resolver),
             WorkerKind.PREFILL: Fleet("prefill", prefill, resolver),
@@ -137,6 +150,8 @@ class Router:
             self._resolve_task = asyncio.create_task(self._resolve_forever(), name="resolve")
 
     async def close(self) -> None:
+        if self._kv_feed is not None:
+            await self._kv_feed.close()
         tasks = [*self._polls.values()]
         if self._resolve_task is not None:
             tasks.append(self._resolve_task)
@@ -166,11 +181,15 @@ class Router:
         *,
         avoid_prefill: Collection[str] = (),
         avoid_decode: Collection[str] = (),
+        prompt: Sequence[int] | None = None,
     ) -> Route:
         """The best decode worker and the best prefill worker, preferring ones not in the
         ``avoid_*`` sets (ones a failed attempt used) while another is up. With
-        ``same_host_prefill`` both are on one host. Raises UnavailableError when no worker
+        ``same_host_prefill`` both are on one host. With ``prompt`` (its token ids) and
+        cache-aware routing, the worker that runs the prompt is chosen by the work it
+        would have ahead (:meth:`_prompt_work`). Raises UnavailableError when no worker
         (pair) of a needed kind is up."""
+        hashes = PromptHashes(prompt) if prompt is not None and self._kv_feed is not None else None
         if self._same_host_prefill and not self.single_process:
             hosts = {host_of(w.address) for w in self._workers[WorkerKind.PREFILL].values() if w.up}
             decode = self._best(
@@ -184,14 +203,35 @@ class Router:
             chosen.prompt_tokens_since_poll += num_prompt_tokens
             decode.picks_since_poll += 1
             return Route(decode=decode.address, prefill=chosen.address)
-        decode = self._best(WorkerKind.DECODE, avoid_decode)
         prefill = ""
-        if not self.single_process:
-            chosen = self._best(WorkerKind.PREFILL, avoid_prefill)
-            chosen.prompt_tokens_since_poll += num_prompt_tokens
+        if self.single_process:
+            decode = self._best(WorkerKind.DECODE, avoid_decode, prompt=hashes)
+            self._uncached(decode, num_prompt_tokens, hashes)
+        else:
+            decode = self._best(WorkerKind.DECODE, avoid_decode)
+            chosen = self._best(WorkerKind.PREFILL, avoid_prefill, prompt=hashes)
+            chosen.prompt_tokens_since_poll += self._uncached(chosen, num_prompt_tokens, hashes)
             prefill = chosen.address
         decode.picks_since_poll += 1
         return Route(decode=decode.address, prefill=prefill)
+
+    def _uncached(self, worker: WorkerState, n: int, prompt: PromptHashes | None) -> int:
+        """Prompt tokens ``worker`` would compute (all of them when its cache is unknown)."""
+        if prompt is None or self._kv_feed is None:
+            return n
+        cached = min(n, self._kv_feed.index.cached_tokens(worker.address, prompt))
+        self.routed_prompt_tokens += n
+        self.routed_cached_tokens += cached
+        return max(1, n - cached)
+
+    def _prompt_work(self, worker: WorkerState, prompt: PromptHashes) -> float:
+        """Prompt tokens the worker would compute before this prompt's last one: what it
+        has queued (its report plus this gateway's picks since) and this prompt less the
+        part it holds, each cached token counting ``cache_weight`` (0: load only)."""
+        assert self._kv_feed is not None
+        cached = self._kv_feed.index.cached_tokens(worker.address, prompt)
+        own = len(prompt.token_ids) - self._cache_weight * cached
+        return worker.queued_prompt_tokens + worker.prompt_tokens_since_poll + max(1.0, own)
 
     def check_room(self, admitted: int) -> None:
         """Raise ResourceExhaustedError when every decode worker that is up is full (see
@@ -214,6 +254,7 @@ class Router:
         avoid_prefill: Collection[str] = (),
         avoid_decode: Collection[str] = (),
         timeout: float | None = None,
+        prompt: Sequence[int] | None = None,
     ) -> Route:
         """:meth:`pick`, waiting up to ``wait_for_worker_s`` (and at most ``timeout``) for
         a worker of each needed kind to be up; then UnavailableError saying how long none
@@ -227,7 +268,10 @@ class Router:
             changed = self._changed
             try:
                 return self.pick(
-                    num_prompt_tokens, avoid_prefill=avoid_prefill, avoid_decode=avoid_decode
+                    num_prompt_tokens,
+                    avoid_prefill=avoid_prefill,
+                    avoid_decode=avoid_decode,
+                    prompt=prompt,
                 )
             except UnavailableError:
                 left = give_up - loop.time()
@@ -274,6 +318,7 @@ class Router:
         kind: WorkerKind,
         avoid: Collection[str],
         allowed: Callable[[WorkerState], bool] = lambda w: True,
+        prompt: PromptHashes | None = None,
     ) -> WorkerState:
         workers = list(self._workers[kind].values())
         up = [(i, w) for i, w in enumerate(workers) if w.up]
@@ -289,9 +334,30 @@ class Router:
         if kind is WorkerKind.DECODE:
             up = [(i, w) for i, w in up if not w.full] or self._all_full(up)
         fresh = [(i, w) for i, w in up if w.address not in avoid] or up
+        if prompt is not None and self._cached_anywhere(fresh, prompt):
+            # Where the prompt's prefix is cached, unless the work queued there outweighs
+            # it; ties go to the less loaded worker.
+            return min(
+                fresh,
+                key=lambda iw: (
+                    self._prompt_work(iw[1], prompt),
+                    -iw[1].decode_score() if kind is WorkerKind.DECODE else 0.0,
+                    iw[1].prefill_score(),
+                    iw[0],
+                ),
+            )[1]
         if kind is WorkerKind.DECODE:
             return max(fresh, key=lambda iw: (iw[1].decode_score(), -iw[0]))[1]
         return min(fresh, key=lambda iw: (iw[1].prefill_score(), iw[0]))[1]
+
+    def _cached_anywhere(
+        self, workers: list[tuple[int, WorkerState]], prompt: PromptHashes
+    ) -> bool:
+        assert self._kv_feed is not None
+        index = self._kv_feed.index
+        return self._cache_weight > 0 and any(
+            index.cached_tokens(w.address, prompt) for _, w in workers
+        )
 
     @staticmethod
     def _all_full(
@@ -378,6 +444,8 @@ class Router:
         poll = self._polls.pop((worker.kind, worker.address), None)
         if poll is not None:
             poll.cancel()
+        if self._kv_feed is not None and self._runs_prompts(worker.kind):
+            self._kv_feed.untrack(worker.address)
         if not any(worker.address in ws for ws in self._workers.values()):
             # Out of the cache at once: a worker that reappears gets a fresh channel.
             self._channels.discard(worker.address)
@@ -387,10 +455,16 @@ class Router:
 
     def _start_poll(self, worker: WorkerState) -> None:
         key = (worker.kind, worker.address)
+        if self._kv_feed is not None and self._runs_prompts(worker.kind):
+            self._kv_feed.track(worker.address, worker.kind)
         if key not in self._polls:
             self._polls[key] = asyncio.create_task(
                 self._poll_forever(worker), name=f"poll-{worker.kind.value}-{worker.address}"
             )
+
+    def _runs_prompts(self, kind: WorkerKind) -> bool:
+        """Whether workers of ``kind`` run prompts here: their cache decides routing."""
+        return kind is (WorkerKind.DECODE if self.single_process else WorkerKind.PREFILL)
 
     async def _poll_forever(self, worker: WorkerState) -> None:
         while True:

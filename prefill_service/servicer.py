@@ -32,6 +32,7 @@ from prefill_service.kv_outbox import KVOutbox
 from protos.baton.v1 import worker_pb2, worker_pb2_grpc
 from rpc.convert import worker_stats_to_proto
 from rpc.convert_handoff import ack_from_proto, prefill_event_to_proto, prefill_order_from_proto
+from rpc.kv_events import kv_event_stream
 from rpc.liveness import EngineStall
 from rpc.tracing import context_from_metadata
 from rpc.worker_config import WorkerConfig
@@ -128,6 +129,13 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             engine.busy_fraction(),
             engine.core.layout,
         )
+
+    async def KVEvents(
+        self, request: worker_pb2.KVEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.KVEventBatch]:
+        core = self._engine().core
+        async for batch in kv_event_stream(core.kv_events, core.layout.block_size):
+            yield batch
 
     async def Prefill(
         self,

@@ -51,6 +51,10 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # Calls to these are always admitted and never counted as in flight: probes must work
 # while the server starts and drains, and a health Watch stream never ends by itself.
 _INFRA_PREFIXES = tuple(f"/{name}/" for name in (health.SERVICE_NAME, *REFLECTION_SERVICES))
+# Streams that never end by themselves and carry no request (a worker's KV events): not
+# counted as in flight, so a drain does not wait its whole grace period on them; the
+# server's stop cancels them.
+_ENDLESS_SUFFIXES = ("/KVEvents",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +122,8 @@ class _Gate(DrainGate, grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
-        if handler_call_details.method.startswith(_INFRA_PREFIXES):
+        method = handler_call_details.method
+        if method.startswith(_INFRA_PREFIXES) or method.endswith(_ENDLESS_SUFFIXES):
             return handler
         return wrap_handler(handler, self._admit)
 

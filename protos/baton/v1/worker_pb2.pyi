@@ -149,6 +149,24 @@ class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class KVEventsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KVEventBatch(_message.Message):
+    __slots__ = ("seq", "snapshot", "stored", "removed", "block_size")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    snapshot: bool
+    stored: _containers.RepeatedScalarFieldContainer[int]
+    removed: _containers.RepeatedScalarFieldContainer[int]
+    block_size: int
+    def __init__(self, seq: _Optional[int] = ..., snapshot: _Optional[bool] = ..., stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ...) -> None: ...
+
 class WorkerStats(_message.Message):
     __slots__ = ("role", "incarnation_id", "total_kv_blocks", "free_kv_blocks", "num_running", "num_waiting", "num_waiting_for_kv", "queued_prompt_tokens", "busy_fraction", "prefix_cache_hit_tokens", "held_kv_blocks", "kv_layout", "max_num_seqs", "max_queued_requests")
     ROLE_FIELD_NUMBER: _ClassVar[int]

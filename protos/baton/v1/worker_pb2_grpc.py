@@ -45,6 +45,11 @@ class PrefillWorkerStub:
                 request_serializer=baton_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_worker__pb2.WorkerStats.FromString,
                 _registered_method=True)
+        self.KVEvents = channel.unary_stream(
+                '/baton.v1.PrefillWorker/KVEvents',
+                request_serializer=baton_dot_v1_dot_worker__pb2.KVEventsRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_worker__pb2.KVEventBatch.FromString,
+                _registered_method=True)
 
 
 class PrefillWorkerServicer:
@@ -68,6 +73,13 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KVEvents(self, request, context):
+        """The prefix-cache block hashes this worker stores and evicts, for cache-aware routing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -80,6 +92,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=baton_dot_v1_dot_worker__pb2.StatsRequest.FromString,
                     response_serializer=baton_dot_v1_dot_worker__pb2.WorkerStats.SerializeToString,
+            ),
+            'KVEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.KVEvents,
+                    request_deserializer=baton_dot_v1_dot_worker__pb2.KVEventsRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_worker__pb2.KVEventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -147,6 +164,33 @@ class PrefillWorker:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def KVEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/baton.v1.PrefillWorker/KVEvents',
+            baton_dot_v1_dot_worker__pb2.KVEventsRequest.SerializeToString,
+            baton_dot_v1_dot_worker__pb2.KVEventBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class DecodeWorkerStub:
     """A decode worker: owns a request's KV blocks and generates its tokens.
@@ -167,6 +211,11 @@ class DecodeWorkerStub:
                 '/baton.v1.DecodeWorker/Stats',
                 request_serializer=baton_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_worker__pb2.WorkerStats.FromString,
+                _registered_method=True)
+        self.KVEvents = channel.unary_stream(
+                '/baton.v1.DecodeWorker/KVEvents',
+                request_serializer=baton_dot_v1_dot_worker__pb2.KVEventsRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_worker__pb2.KVEventBatch.FromString,
                 _registered_method=True)
 
 
@@ -189,6 +238,13 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KVEvents(self, request, context):
+        """The prefix-cache block hashes this worker stores and evicts, for cache-aware routing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -201,6 +257,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=baton_dot_v1_dot_worker__pb2.StatsRequest.FromString,
                     response_serializer=baton_dot_v1_dot_worker__pb2.WorkerStats.SerializeToString,
+            ),
+            'KVEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.KVEvents,
+                    request_deserializer=baton_dot_v1_dot_worker__pb2.KVEventsRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_worker__pb2.KVEventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -258,6 +319,33 @@ class DecodeWorker:
             '/baton.v1.DecodeWorker/Stats',
             baton_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
             baton_dot_v1_dot_worker__pb2.WorkerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KVEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/baton.v1.DecodeWorker/KVEvents',
+            baton_dot_v1_dot_worker__pb2.KVEventsRequest.SerializeToString,
+            baton_dot_v1_dot_worker__pb2.KVEventBatch.FromString,
             options,
             channel_credentials,
             insecure,

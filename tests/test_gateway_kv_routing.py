@@ -1,0 +1,100 @@
+"""Cache-aware routing on hand-set worker states and KV indexes (no servers): a prompt goes
+where its prefix is cached unless the work queued there outweighs it; weight 0 (or
+``--routing load``) routes by load alone; a worker that leaves takes its entries along."""
+
+from __future__ import annotations
+
+from engine.kv_events import prefix_block_hashes
+from gateway.kv_feed import KVFeed
+from gateway.kv_index import KVIndex
+from gateway.router import Router, WorkerKind
+from protos.baton.v1 import worker_pb2
+from rpc.channels import ChannelCache
+
+BS = 16
+PROMPT = list(range(1000, 1000 + 10 * BS))  # ten full blocks
+
+
+def router(*, decode: int = 1, prefill: int = 2, weight: float = 1.0) -> tuple[Router, KVIndex]:
+    index = KVIndex()
+    channels = ChannelCache()
+    r = Router(
+        [f"d{i}:1" for i in range(decode)],
+        [f"p{i}:1" for i in range(prefill)],
+        channels,
+        kv_feed=KVFeed(index, channels),
+        cache_weight=weight,
+    )
+    for w in r.workers:
+        w.update(worker_pb2.WorkerStats(free_kv_blocks=100))
+    return r, index
+
+
+def cache(index: KVIndex, address: str, blocks: int) -> None:
+    stored = prefix_block_hashes(PROMPT, BS)[:blocks]
+    index.apply(address, seq=1, snapshot=True, stored=stored, removed=(), block_size=BS)
+
+
+def queued(r: Router, address: str, tokens: int) -> None:
+    w = next(w for w in r.workers if w.address == address)
+    w.update(worker_pb2.WorkerStats(free_kv_blocks=100, queued_prompt_tokens=tokens))
+
+
+def test_the_prompt_goes_where_its_prefix_is_cached() -> None:
+    r, index = router()
+    cache(index, "p1:1", 8)  # 128 of the 160 tokens
+    queued(r, "p1:1", 50)  # a little more load than p0
+    assert r.pick(len(PROMPT), prompt=PROMPT).prefill == "p1:1"
+    # The work added there is the uncached part only.
+    p1 = next(w for w in r.workers if w.address == "p1:1")
+    assert p1.prompt_tokens_since_poll == 32
+    assert (r.routed_prompt_tokens, r.routed_cached_tokens) == (160, 128)
+
+
+def test_unless_the_work_queued_there_outweighs_the_cached_part() -> None:
+    r, index = router()
+    cache(index, "p1:1", 8)
+    queued(r, "p1:1", 500)  # 500 + 32 > 0 + 160
+    assert r.pick(len(PROMPT), prompt=PROMPT).prefill == "p0:1"
+
+
+def test_the_longer_cached_prefix_wins_and_ties_go_by_load() -> None:
+    r, index = router(prefill=3)
+    cache(index, "p0:1", 2)
+    cache(index, "p1:1", 6)
+    cache(index, "p2:1", 6)
+    queued(r, "p1:1", 10)
+    assert r.pick(len(PROMPT), prompt=PROMPT).prefill == "p2:1"
+
+
+def test_weight_zero_and_load_routing_ignore_the_cache() -> None:
+    r, index = router(weight=0.0)
+    cache(index, "p1:1", 10)
+    queued(r, "p1:1", 50)
+    assert r.pick(len(PROMPT), prompt=PROMPT).prefill == "p0:1"
+    plain = Router(["d0:1"], ["p0:1", "p1:1"], ChannelCache())  # --routing load
+    for w in plain.workers:
+        w.update(worker_pb2.WorkerStats(free_kv_blocks=100))
+    next(w for w in plain.workers if w.address == "p1:1").queued_prompt_tokens = 50
+    assert plain.pick(len(PROMPT), prompt=PROMPT).prefill == "p0:1"
+
+
+def test_single_process_routes_decode_workers_by_their_cache() -> None:
+    r, index = router(decode=2, prefill=0)
+    cache(index, "d1:1", 9)
+    assert r.pick(len(PROMPT), prompt=PROMPT).decode == "d1:1"
+    # Without any cached prefix, decode routing is what it always was (free blocks / load).
+    r2, _ = router(decode=2, prefill=0)
+    next(w for w in r2.workers if w.address == "d0:1").free_kv_blocks = 10
+    assert r2.pick(len(PROMPT), prompt=PROMPT).decode == "d1:1"
+
+
+async def test_a_worker_that_leaves_its_fleet_loses_its_entries() -> None:
+    r, index = router()
+    cache(index, "p1:1", 8)
+    p1 = next(w for w in r.workers if w.address == "p1:1")
+    assert p1.kind is WorkerKind.PREFILL
+    r._forget(p1)
+    assert not index.known("p1:1")
+    assert r.pick(len(PROMPT), prompt=PROMPT).prefill == "p0:1"
+    await r.close()
