@@ -66,7 +66,15 @@ def reference(tiny_llama: Path) -> list[tuple[list[int], object]]:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama: Path) -> Iterator[E2ECluster]:
-    with tiny_cluster(tiny_llama, num_prefill=2, num_decode=2, metrics=True) as c:
+    # Routed by load: the traffic repeats six prompts, which cache-aware routing would
+    # rightly keep on the workers that already hold them, and a new worker would get none.
+    with tiny_cluster(
+        tiny_llama,
+        num_prefill=2,
+        num_decode=2,
+        metrics=True,
+        gateway_args=("--routing", "load"),
+    ) as c:
         yield c
 
 

@@ -83,6 +83,7 @@ def _order() -> PrefillOrder:
         repetition_penalty=1.25,
         presence_penalty=0.5,
         frequency_penalty=-0.5,
+        output_offset=4,  # a request that moved: its prompt ends with 4 earlier outputs
     )
     desc = KVDescriptor(endpoint, "r1", (3, 4, 5), epoch=77, lease_token=LEASE)
     order = PrefillOrder("r1", tuple(range(100, 140)), params, desc, timeout_s=12.5)
