@@ -28,6 +28,8 @@ from engine.config import EngineConfig, ModelConfig
 from engine.device import build_on, resolve_device
 from engine.forward_context import AttentionMetadata, ForwardContext, PrefillSeq, forward_context
 from engine.huge_pages import zeros_on_huge_pages
+from engine.kernels.route_bench import RouteRequest, choose_routes
+from engine.kernels.route_table import RouteTable
 from engine.kv_layout import KVLayout
 from engine.models.llama import LlamaForCausalLM
 from engine.sampler import Sampler, SamplingRow, position_generator
@@ -91,6 +93,8 @@ class ModelRunner:
                 f"expected {shape} {self.dtype} on {self.device}"
             )
         self.compute = ComputeThread(cfg.num_threads)
+        # The kernel of each linear row class (CPU; chosen while loading), None elsewhere.
+        self.kernel_routes: RouteTable | None = None
         try:
             self.model, self.kv_cache, self.sampler = self.compute.call(
                 self._load, checkpoint, shape, kv_pool, show_progress
@@ -123,11 +127,29 @@ class ModelRunner:
         model = model.to(self.dtype).eval()
         model.linear_panels = self.cfg.linear_panels
         model.prepare_fast_path()
+        if self.device.type == "cpu":
+            self._choose_kernel_routes(model)
         if kv_pool is None and self.device.type == "cpu":
             kv_pool = zeros_on_huge_pages(shape, self.dtype)
         elif kv_pool is None:
             kv_pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
         return model, kv_pool, Sampler(self.device, self.cfg.seed)
+
+    def _choose_kernel_routes(self, model: LlamaForCausalLM) -> None:
+        """Route each class of linear layer to its kernel (``--cpu-kernels``), log the
+        table once, and free the weight copies it leaves unused."""
+        layers, lm_head = model.linear_layers()
+        request = RouteRequest(
+            mode=self.cfg.cpu_kernels,
+            dtype=self.cfg.dtype,
+            max_num_seqs=self.cfg.max_num_seqs,
+            max_num_batched_tokens=self.cfg.max_num_batched_tokens,
+            panels=self.cfg.linear_panels,
+        )
+        table = choose_routes(request, layers, lm_head)
+        model.set_kernel_routes(table)
+        self.kernel_routes = table
+        logger.info("CPU kernel routes: %s", table.describe())
 
     def close(self) -> None:
         """End the compute thread once queued steps are done. Idempotent."""

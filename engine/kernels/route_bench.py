@@ -1,0 +1,178 @@
+"""Times the CPU linear-layer kernels on a model's own weights, and chooses the route
+table at start-up (``choose_routes``): from the cache, by measuring, or as forced.
+
+The timer runs each candidate route (``ops.run_route``) over the weights of a class:
+for the decode classes the weights of up to ``MEMORY_LAYERS`` layers in turn, so they
+are read from memory as a decode step reads them, not from a warm cache; for prefill
+chunks, one layer (compute-bound already, and each call is long). Each timing is the
+fastest of a few sweeps after one untimed warm-up, within a share of a total budget.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from engine.kernels import ops, route_cache
+from engine.kernels.cpu import cpu_kernels
+from engine.kernels.route_table import (
+    LM_HEAD_CLASSES,
+    PREFILL_ROWS,
+    ROW_CLASSES,
+    RouteTable,
+    candidates,
+    default_routes,
+    forced_table,
+    measure_table,
+    sample_rows,
+)
+
+logger = logging.getLogger(__name__)
+
+# Layers whose weights a decode-class timing sweeps: 8 layers of SmolLM2-135M in bf16
+# are ~50 MB, more than a server CPU's last-level cache slice.
+MEMORY_LAYERS = 8
+# Total wall time the timings may take (they stop early on fast shapes).
+BUDGET_S = 2.0
+MAX_REPS = 20
+# Past this multiple of the budget (a busy host), the classes not yet timed keep their
+# defaults.
+OVERRUN = 3.0
+
+
+class LinearCopies(Protocol):
+    """A linear layer's weight and the copies ``ops.run_route`` may use."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    packed: torch.Tensor | None
+    packed_wide: torch.Tensor | None
+    panels: torch.Tensor | None
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """What ``choose_routes`` needs besides the weights."""
+
+    mode: str  # auto | measure | default | onednn | torch (route_table.MODES)
+    dtype: str
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    panels: bool  # panel copies are allowed (EngineConfig.linear_panels)
+    cache_dir: Path | None = None  # None: route_cache.default_cache_dir()
+    budget_s: float = BUDGET_S
+
+
+def make_timer(
+    layers: Sequence[Sequence[LinearCopies]],
+    lm_head: LinearCopies,
+    budget_s: float,
+    num_measurements: int,
+) -> Callable[[str, str, int], float]:
+    """``timer(row_class, route, rows)``: seconds of one sweep of the class's weights on
+    ``rows`` rows through ``route``; ``inf`` where the route does not serve them."""
+    share = budget_s / max(1, num_measurements)
+    generator = torch.Generator().manual_seed(0)
+    inputs: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
+
+    def x_for(rows: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+        key = (rows, k, dtype)
+        if key not in inputs:
+            inputs[key] = torch.randn(rows, k, generator=generator).to(dtype)
+        return inputs[key]
+
+    def sweep(mods: Sequence[LinearCopies], route: str, rows: int) -> bool:
+        for m in mods:
+            x = x_for(rows, m.weight.shape[1], m.weight.dtype)
+            if ops.run_route(route, x, m.weight, m.bias, m.packed, m.packed_wide, m.panels) is None:
+                return False
+        return True
+
+    @torch.inference_mode()
+    def timer(row_class: str, route: str, rows: int) -> float:
+        if row_class in LM_HEAD_CLASSES:
+            mods: list[LinearCopies] = [lm_head]
+        else:
+            depth = 1 if row_class == PREFILL_ROWS else MEMORY_LAYERS
+            mods = [m for layer in layers[:depth] for m in layer]
+        if not sweep(mods, route, rows):  # warm-up; also: does the route serve them
+            return math.inf
+        best = math.inf
+        began = time.perf_counter()
+        for _ in range(MAX_REPS):
+            t0 = time.perf_counter()
+            sweep(mods, route, rows)
+            best = min(best, time.perf_counter() - t0)
+            if time.perf_counter() - began >= share:
+                break
+        return best
+
+    return timer
+
+
+def choose_routes(
+    request: RouteRequest,
+    layers: Sequence[Sequence[LinearCopies]],
+    lm_head: LinearCopies,
+    timer: Callable[[str, str, int], float] | None = None,
+) -> RouteTable:
+    """The route table for this model on this host, as ``request.mode`` says: ``auto``
+    reuses a cached measurement for the same key or measures and caches; ``measure``
+    always measures (and caches); ``default`` / ``onednn`` / ``torch`` force. Needs every
+    copy packed (``Linear.prepack``); the caller drops the ones the table leaves unused."""
+    kernels = cpu_kernels()
+    bf16 = request.dtype == "bfloat16"
+    has_kernels = kernels is not None and request.dtype in ("float32", "bfloat16")
+    has_kernels = has_kernels and (kernels.bf16_dot or not bf16)
+    onednn = all(m.packed is not None for layer in layers for m in layer)
+    defaults = default_routes(request.dtype, has_kernels, request.panels, onednn)
+    cands = {
+        c: candidates(c, request.dtype, has_kernels, request.panels, onednn) for c in ROW_CLASSES
+    }
+    if request.mode not in ("auto", "measure"):
+        return forced_table(request.mode, defaults, cands)
+    plan = {
+        c: sample_rows(c, request.max_num_seqs, request.max_num_batched_tokens) for c in ROW_CLASSES
+    }
+    shapes = sorted({tuple(m.weight.shape) for layer in layers for m in layer})
+    shapes.append(tuple(lm_head.weight.shape))
+    key = route_cache.cache_key(
+        dtype=request.dtype,
+        threads=torch.get_num_threads(),
+        shapes=[(int(a), int(b)) for a, b in shapes],
+        plan=plan,
+        candidates=cands,
+        torch_version=torch.__version__,
+        kernel_build=kernels.build_id if kernels is not None else "none",
+    )
+    cache_dir = request.cache_dir or route_cache.default_cache_dir()
+    if request.mode == "auto":
+        cached = route_cache.load(cache_dir, key)
+        if cached is not None:
+            return cached
+    if timer is None:
+        count = sum(len(plan[c]) * len(cands[c]) for c in ROW_CLASSES)
+        timer = make_timer(layers, lm_head, request.budget_s, count)
+    t0 = time.perf_counter()
+    deadline = t0 + OVERRUN * request.budget_s
+    table = measure_table(
+        plan, cands, defaults, timer, out_of_time=lambda: time.perf_counter() > deadline
+    )
+    spent = time.perf_counter() - t0
+    if table.source == "partial":
+        # Not cached: the next start measures again, on a quieter host perhaps.
+        logger.warning(
+            "timing CPU kernel routes took %.1f s (budget %.1f s): the classes left over "
+            "keep their defaults, and nothing is cached", spent, request.budget_s,
+        )  # fmt: skip
+        return table
+    logger.info("measured CPU kernel routes in %.2f s", spent)
+    route_cache.store(cache_dir, key, table)
+    return table
