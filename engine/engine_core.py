@@ -67,6 +67,9 @@ class EngineCore:
             kv_pool=pool_tensor,
             show_progress=show_progress,
         )
+        # The CPU kernel route of each linear row class, for Stats (none on GPU).
+        routes = getattr(self.runner, "kernel_routes", None)
+        self._kernel_routes = tuple(sorted(routes.routes.items())) if routes else ()
         self.pool = BlockPool(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.pool,
@@ -164,6 +167,7 @@ class EngineCore:
             busy_seconds=self.runner.busy_seconds,
             max_num_seqs=s.max_num_seqs,
             max_queued_requests=s.max_queued,
+            cpu_kernel_routes=self._kernel_routes,
         )
 
     def generate(

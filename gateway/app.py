@@ -27,7 +27,7 @@ from gateway.dispatcher import Dispatcher
 from gateway.generation import Generation
 from gateway.http_api import build_app
 from gateway.http_server import HttpServer
-from gateway.metrics import GatewayMetrics, WorkersCollector
+from gateway.metrics import GatewayMetrics, KernelRoutesCollector, WorkersCollector
 from gateway.router import Router
 from gateway.served_model import ServedModel, locate_model
 from gateway.servicer import BatonServicer
@@ -96,6 +96,11 @@ class Gateway:
         if registry is not None:
             registry.register(
                 WorkersCollector(lambda: ((w.kind.value, w.up) for w in self.router.workers))
+            )
+            registry.register(
+                KernelRoutesCollector(
+                    lambda: ((w.address, dict(w.cpu_kernel_routes)) for w in self.router.workers)
+                )
             )
         self.generation = Generation(
             self.model,
