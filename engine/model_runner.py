@@ -28,7 +28,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.device import build_on, resolve_device
 from engine.forward_context import AttentionMetadata, ForwardContext, PrefillSeq, forward_context
 from engine.huge_pages import zeros_on_huge_pages
-from engine.kernels.route_bench import RouteRequest, choose_routes
+from engine.kernels.route_bench import RouteRequest, known_routes, measure_routes
 from engine.kernels.route_table import RouteTable
 from engine.kv_layout import KVLayout
 from engine.models.llama import LlamaForCausalLM
@@ -126,9 +126,10 @@ class ModelRunner:
         # Parameters already are in dtype; this casts the fp32 rope tables, as HF does.
         model = model.to(self.dtype).eval()
         model.linear_panels = self.cfg.linear_panels
-        model.prepare_fast_path()
         if self.device.type == "cpu":
             self._choose_kernel_routes(model)
+        else:
+            model.prepare_fast_path()
         if kv_pool is None and self.device.type == "cpu":
             kv_pool = zeros_on_huge_pages(shape, self.dtype)
         elif kv_pool is None:
@@ -136,8 +137,9 @@ class ModelRunner:
         return model, kv_pool, Sampler(self.device, self.cfg.seed)
 
     def _choose_kernel_routes(self, model: LlamaForCausalLM) -> None:
-        """Route each class of linear layer to its kernel (``--cpu-kernels``), log the
-        table once, and free the weight copies it leaves unused."""
+        """Route each class of linear layer to its kernel (``--cpu-kernels``) and pack
+        the weight copies: with a cached or forced table only those it uses; to measure,
+        all of them first, then those it leaves unused are freed. Logs the table once."""
         layers, lm_head = model.linear_layers()
         request = RouteRequest(
             mode=self.cfg.cpu_kernels,
@@ -146,8 +148,12 @@ class ModelRunner:
             max_num_batched_tokens=self.cfg.max_num_batched_tokens,
             panels=self.cfg.linear_panels,
         )
-        table = choose_routes(request, layers, lm_head)
+        table = known_routes(request, layers, lm_head)
         model.set_kernel_routes(table)
+        model.prepare_fast_path()
+        if table is None:
+            table = measure_routes(request, layers, lm_head)
+            model.set_kernel_routes(table)
         self.kernel_routes = table
         logger.info("CPU kernel routes: %s", table.describe())
 

@@ -263,8 +263,18 @@ def test_default_mode_keeps_todays_constants_and_copies(tiny_llama: Path) -> Non
     assert torch.equal(mod(x), want)
 
 
-def test_a_forced_route_drops_the_copies_it_does_not_use(tiny_llama: Path) -> None:
+def test_a_forced_route_never_packs_the_copies_it_does_not_use(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    packed = []
+    real_panels, real_pack = ops.pack_panels, ops.pack_linear_weight
+    monkeypatch.setattr(ops, "pack_panels", lambda w: packed.append("panels") or real_panels(w))
+    monkeypatch.setattr(
+        ops, "pack_linear_weight",
+        lambda w, wide=False: packed.append("wide" if wide else "onednn") or real_pack(w, wide),
+    )  # fmt: skip
     core = make_core(tiny_llama, dtype="bfloat16", cpu_kernels="torch")
+    assert packed == [], "a table known before packing packs nothing it does not use"
     table = core.runner.kernel_routes
     assert table is not None and table.source == "forced torch"
     assert set(table.routes.values()) == {"torch"}
@@ -272,6 +282,7 @@ def test_a_forced_route_drops_the_copies_it_does_not_use(tiny_llama: Path) -> No
     for mod in [m for layer in layers for m in layer] + [head]:
         assert mod.packed is None and mod.packed_wide is None and mod.panels is None
     onednn = make_core(tiny_llama, dtype="bfloat16", cpu_kernels="onednn")
+    assert set(packed) <= {"onednn"}
     layers, head = onednn.runner.model.linear_layers()
     if torch.backends.mkldnn.is_available():
         assert all(m.packed is not None for layer in layers for m in layer)

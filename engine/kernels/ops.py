@@ -69,6 +69,13 @@ def pack_linear_weight(weight: torch.Tensor, wide: bool = False) -> torch.Tensor
         return None
 
 
+def onednn_serves(dtype: torch.dtype) -> bool:
+    """Whether ``pack_linear_weight`` can prepack a weight of ``dtype`` on this host."""
+    if dtype not in _ACT_DTYPES or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def pack_panels(weight: torch.Tensor) -> torch.Tensor | None:
     """The weight [N, K] as fp32 panels of 64 output columns for ``linear``'s decode-sized
     batches (a further copy in memory, twice the size for bf16), or None where the

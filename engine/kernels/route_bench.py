@@ -117,6 +117,17 @@ def make_timer(
     return timer
 
 
+@dataclass(frozen=True, slots=True)
+class _Setting:
+    """What a table is chosen among, and the cache key of a measured one."""
+
+    defaults: dict[str, str]
+    candidates: dict[str, tuple[str, ...]]
+    plan: dict[str, tuple[int, ...]]
+    key: dict
+    cache_dir: Path
+
+
 def choose_routes(
     request: RouteRequest,
     layers: Sequence[Sequence[LinearCopies]],
@@ -125,38 +136,35 @@ def choose_routes(
 ) -> RouteTable:
     """The route table for this model on this host, as ``request.mode`` says: ``auto``
     reuses a cached measurement for the same key or measures and caches; ``measure``
-    always measures (and caches); ``default`` / ``onednn`` / ``torch`` force. Needs every
-    copy packed (``Linear.prepack``); the caller drops the ones the table leaves unused."""
-    kernels = cpu_kernels()
-    bf16 = request.dtype == "bfloat16"
-    has_kernels = kernels is not None and request.dtype in ("float32", "bfloat16")
-    has_kernels = has_kernels and (kernels.bf16_dot or not bf16)
-    onednn = all(m.packed is not None for layer in layers for m in layer)
-    defaults = default_routes(request.dtype, has_kernels, request.panels, onednn)
-    cands = {
-        c: candidates(c, request.dtype, has_kernels, request.panels, onednn) for c in ROW_CLASSES
-    }
+    always measures (and caches); ``default`` / ``onednn`` / ``torch`` force. Measuring
+    needs every copy packed (``Linear.prepack`` without routes); the caller drops the
+    ones the table leaves unused."""
+    known = known_routes(request, layers, lm_head)
+    return known if known is not None else measure_routes(request, layers, lm_head, timer)
+
+
+def known_routes(
+    request: RouteRequest, layers: Sequence[Sequence[LinearCopies]], lm_head: LinearCopies
+) -> RouteTable | None:
+    """The table without measuring: forced, or cached (``auto``); None when it must be
+    measured. Needs only the weights, not their copies."""
+    setting = _setting(request, layers, lm_head)
     if request.mode not in ("auto", "measure"):
-        return forced_table(request.mode, defaults, cands)
-    plan = {
-        c: sample_rows(c, request.max_num_seqs, request.max_num_batched_tokens) for c in ROW_CLASSES
-    }
-    shapes = sorted({tuple(m.weight.shape) for layer in layers for m in layer})
-    shapes.append(tuple(lm_head.weight.shape))
-    key = route_cache.cache_key(
-        dtype=request.dtype,
-        threads=torch.get_num_threads(),
-        shapes=[(int(a), int(b)) for a, b in shapes],
-        plan=plan,
-        candidates=cands,
-        torch_version=torch.__version__,
-        kernel_build=kernels.build_id if kernels is not None else "none",
-    )
-    cache_dir = request.cache_dir or route_cache.default_cache_dir()
+        return forced_table(request.mode, setting.defaults, setting.candidates)
     if request.mode == "auto":
-        cached = route_cache.load(cache_dir, key)
-        if cached is not None:
-            return cached
+        return route_cache.load(setting.cache_dir, setting.key)
+    return None
+
+
+def measure_routes(
+    request: RouteRequest,
+    layers: Sequence[Sequence[LinearCopies]],
+    lm_head: LinearCopies,
+    timer: Callable[[str, str, int], float] | None = None,
+) -> RouteTable:
+    """Time the candidates on the weights' copies (all packed) and cache the table."""
+    setting = _setting(request, layers, lm_head)
+    plan, cands, defaults = setting.plan, setting.candidates, setting.defaults
     if timer is None:
         count = sum(len(plan[c]) * len(cands[c]) for c in ROW_CLASSES)
         timer = make_timer(layers, lm_head, request.budget_s, count)
@@ -174,5 +182,35 @@ def choose_routes(
         )  # fmt: skip
         return table
     logger.info("measured CPU kernel routes in %.2f s", spent)
-    route_cache.store(cache_dir, key, table)
+    route_cache.store(setting.cache_dir, setting.key, table)
     return table
+
+
+def _setting(
+    request: RouteRequest, layers: Sequence[Sequence[LinearCopies]], lm_head: LinearCopies
+) -> _Setting:
+    kernels = cpu_kernels()
+    bf16 = request.dtype == "bfloat16"
+    has_kernels = kernels is not None and request.dtype in ("float32", "bfloat16")
+    has_kernels = has_kernels and (kernels.bf16_dot or not bf16)
+    onednn = ops.onednn_serves(layers[0][0].weight.dtype) if layers else False
+    defaults = default_routes(request.dtype, has_kernels, request.panels, onednn)
+    cands = {
+        c: candidates(c, request.dtype, has_kernels, request.panels, onednn) for c in ROW_CLASSES
+    }
+    plan = {
+        c: sample_rows(c, request.max_num_seqs, request.max_num_batched_tokens) for c in ROW_CLASSES
+    }
+    shapes = sorted({tuple(m.weight.shape) for layer in layers for m in layer})
+    shapes.append(tuple(lm_head.weight.shape))
+    key = route_cache.cache_key(
+        dtype=request.dtype,
+        threads=torch.get_num_threads(),
+        shapes=[(int(a), int(b)) for a, b in shapes],
+        plan=plan,
+        candidates=cands,
+        torch_version=torch.__version__,
+        kernel_build=kernels.build_id if kernels is not None else "none",
+    )
+    cache_dir = request.cache_dir or route_cache.default_cache_dir()
+    return _Setting(defaults, cands, plan, key, cache_dir)

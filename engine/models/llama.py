@@ -73,24 +73,31 @@ class Linear(nn.Linear):
         self.packed_wide: torch.Tensor | None = None
         self.panels: torch.Tensor | None = None
 
+    def _routed(self, route: str) -> bool:
+        """Whether ``routes`` may run this layer on ``route`` (every route without a
+        measured table)."""
+        if self.routes is None or self.routes.constants:
+            return True
+        return self.routes.uses(route, LM_HEAD_CLASSES if self.is_lm_head else LAYER_CLASSES)
+
     def drop_unrouted(self) -> None:
         """Free the copies no row class of ``routes`` runs on (they can be half again to
         twice the model's size); a later ``prepack`` makes them again."""
-        if self.routes is None or self.routes.constants:
-            return
-        classes = LM_HEAD_CLASSES if self.is_lm_head else LAYER_CLASSES
-        if not self.routes.uses(PANELS, classes):
+        if not self._routed(PANELS):
             self.panels = None
-        if not self.routes.uses(ONEDNN, classes):
+        if not self._routed(ONEDNN):
             self.packed = None
-        if not self.routes.uses(WIDE, classes):
+        if not self._routed(WIDE):
             self.packed_wide = None
 
     def prepack(self, panels: bool = True) -> None:
+        """Make the copies: only those ``routes`` runs on when it is set (so a start whose
+        routes are cached or forced never holds the others, not even at its peak)."""
         fast = self.use_kernel
-        self.packed = ops.pack_linear_weight(self.weight) if fast else None
-        self.panels = ops.pack_panels(self.weight) if fast and panels else None
-        wide = fast and self.wide and self.weight.dtype == torch.bfloat16
+        self.packed = ops.pack_linear_weight(self.weight) if fast and self._routed(ONEDNN) else None
+        panels = fast and panels and self._routed(PANELS)
+        self.panels = ops.pack_panels(self.weight) if panels else None
+        wide = fast and self.wide and self.weight.dtype == torch.bfloat16 and self._routed(WIDE)
         self.packed_wide = ops.pack_linear_weight(self.weight, wide=True) if wide else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -334,8 +341,10 @@ class LlamaForCausalLM(nn.Module):
 
     def set_kernel_routes(self, table: RouteTable | None) -> None:
         """Run each linear layer on ``table``'s route for its row class (None: the
-        constants of ``ops.linear``) and free the weight copies no route uses. Call after
-        ``prepare_fast_path``, which packs every copy the routes are chosen among."""
+        constants of ``ops.linear``) and free the weight copies no route uses. Set before
+        ``prepare_fast_path`` (a cached or forced table), only the copies it uses are
+        ever made; to measure a table, ``prepare_fast_path`` without one first packs
+        every copy the routes are chosen among."""
         self.kernel_routes = table
         self._apply_routes()
 
