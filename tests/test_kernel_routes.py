@@ -322,3 +322,31 @@ def test_cache_dir_follows_xdg() -> None:
         "amx_bf16",
         "amx_tile",
     )
+
+
+_CAPPED_ENGINE = """
+import json, sys
+from engine.sampling_params import SamplingParams
+from tests.engine_helpers import make_core
+core = make_core(sys.argv[1], dtype="float32", cpu_kernels="measure")
+params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+out = core.generate([[5, 6, 7, 8] * 20, [9, 10, 11], [12] * 7], params)
+print(json.dumps({"tokens": out, "routes": dict(core.stats().cpu_kernel_routes)}))
+"""
+
+
+def test_an_engine_under_a_capped_onednn_isa_serves_the_same_tokens(tiny_llama: Path) -> None:
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, "-c", _CAPPED_ENGINE, str(tiny_llama)], env=env, cwd=REPO,
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(out["routes"]) == set(ROW_CLASSES)
+    twin = make_core(tiny_llama, dtype="float32", cpu_kernels="default")
+    twin.runner.model.set_fast_path(False)
+    from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    assert out["tokens"] == twin.generate([[5, 6, 7, 8] * 20, [9, 10, 11], [12] * 7], params)
