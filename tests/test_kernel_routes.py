@@ -65,6 +65,20 @@ def test_measure_table_routes_each_class_to_its_fastest_injected_timing() -> Non
     assert table.timings[GEMV_ROWS]["panels"] == 2.0  # summed over both sample sizes
     partial = measure_table(plan, cands, defaults, timer, out_of_time=lambda: True)
     assert partial.source == "partial" and partial.routes == {**defaults}
+    # Time runs out inside the decode class: gemv is routed, decode and later keep defaults.
+    calls.clear()
+    partial = measure_table(
+        plan,
+        cands,
+        defaults,
+        timer,
+        out_of_time=lambda: len(calls) >= len(cands[GEMV_ROWS]) * 2 + 1,
+    )
+    assert partial.source == "partial"
+    assert partial.routes[GEMV_ROWS] == "panels"
+    assert (
+        partial.routes[DECODE_ROWS] == defaults[DECODE_ROWS] and DECODE_ROWS not in partial.timings
+    )
 
 
 @dataclass

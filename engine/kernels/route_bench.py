@@ -40,11 +40,11 @@ logger = logging.getLogger(__name__)
 # are ~50 MB, more than a server CPU's last-level cache slice.
 MEMORY_LAYERS = 8
 # Total wall time the timings may take (they stop early on fast shapes).
-BUDGET_S = 2.0
+BUDGET_S = 1.5
 MAX_REPS = 20
 # Past this multiple of the budget (a busy host), the classes not yet timed keep their
 # defaults.
-OVERRUN = 3.0
+OVERRUN = 2.0
 
 
 class LinearCopies(Protocol):

@@ -175,8 +175,8 @@ def measure_table(
     """Time every candidate of every class at the class's sample rows (``plan``) with
     ``timer(row_class, route, rows)`` -> seconds, and pick each class's route. A class
     without sample rows (the engine never runs it) keeps its default, and so does every
-    class not started before ``out_of_time()`` (a host too busy to time in the budget;
-    the table's source then says ``partial``)."""
+    class not fully timed before ``out_of_time()`` (a host too busy to time in the
+    budget; the table's source then says ``partial``)."""
     routes: dict[str, str] = {}
     timings: dict[str, dict[str, float]] = {}
     partial = False
@@ -187,14 +187,17 @@ def measure_table(
         if not rows_list or not options:
             routes[row_class] = default
             continue
-        if out_of_time():
+        timed: dict[str, float] = {}
+        for route in options:
+            if out_of_time():
+                break
+            timed[route] = sum(timer(row_class, route, rows) for rows in rows_list)
+        else:
+            timings[row_class] = timed
+        if row_class not in timings:  # cut short: a half-timed class keeps its default
             routes[row_class] = default
             partial = True
             continue
-        timed = {
-            route: sum(timer(row_class, route, rows) for rows in rows_list) for route in options
-        }
-        timings[row_class] = timed
         routes[row_class] = pick(
             timed, default if default in timed else min(timed, key=timed.__getitem__), margin
         )
