@@ -2,7 +2,7 @@
 table at start-up (``choose_routes``): from the cache, by measuring, or as forced.
 
 The timer runs each candidate route (``ops.run_route``) over the weights of a class:
-for the decode classes the weights of up to ``MEMORY_LAYERS`` layers in turn, so they
+for the decode classes the weights of enough layers in turn (``SWEEP_BYTES``) that they
 are read from memory as a decode step reads them, not from a warm cache; for prefill
 chunks, one layer (compute-bound already, and each call is long). Each timing is the
 fastest of a few sweeps after one untimed warm-up, within a share of a total budget.
@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -36,8 +36,10 @@ from engine.kernels.route_table import (
 
 logger = logging.getLogger(__name__)
 
-# Layers whose weights a decode-class timing sweeps: 8 layers of SmolLM2-135M in bf16
-# are ~50 MB, more than a server CPU's last-level cache slice.
+# Weight bytes a decode-class timing sweeps (whole layers, at least one, at most
+# MEMORY_LAYERS): more than a server CPU's last-level cache slice, so they stream from
+# DRAM as in a decode step; 8 layers of SmolLM2-135M in bf16 are ~50 MB.
+SWEEP_BYTES = 64 << 20
 MEMORY_LAYERS = 8
 # Total wall time the timings may take (they stop early on fast shapes).
 BUDGET_S = 1.5
@@ -79,6 +81,10 @@ def make_timer(
     """``timer(row_class, route, rows)``: seconds of one sweep of the class's weights on
     ``rows`` rows through ``route``; ``inf`` where the route does not serve them."""
     share = budget_s / max(1, num_measurements)
+    layer_bytes = (
+        sum(m.weight.numel() * m.weight.element_size() for m in layers[0]) if layers else 1
+    )
+    memory_depth = max(1, min(MEMORY_LAYERS, SWEEP_BYTES // max(1, layer_bytes)))
     generator = torch.Generator().manual_seed(0)
     inputs: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
 
@@ -100,7 +106,7 @@ def make_timer(
         if row_class in LM_HEAD_CLASSES:
             mods: list[LinearCopies] = [lm_head]
         else:
-            depth = 1 if row_class == PREFILL_ROWS else MEMORY_LAYERS
+            depth = 1 if row_class == PREFILL_ROWS else memory_depth
             mods = [m for layer in layers[:depth] for m in layer]
         if not sweep(mods, route, rows):  # warm-up; also: does the route serve them
             return math.inf
@@ -124,7 +130,7 @@ class _Setting:
     defaults: dict[str, str]
     candidates: dict[str, tuple[str, ...]]
     plan: dict[str, tuple[int, ...]]
-    key: dict
+    key: dict[str, Any]
     cache_dir: Path
 
 
