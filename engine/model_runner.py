@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ from engine.device import build_on, resolve_device
 from engine.forward_context import AttentionMetadata, ForwardContext, PrefillSeq, forward_context
 from engine.huge_pages import zeros_on_huge_pages
 from engine.kernels.route_bench import RouteRequest, known_routes, measure_routes
+from engine.kernels.route_cache import cpu_identity
 from engine.kernels.route_table import RouteTable
 from engine.kv_layout import KVLayout
 from engine.models.llama import LlamaForCausalLM
@@ -155,7 +157,12 @@ class ModelRunner:
             table = measure_routes(request, layers, lm_head)
             model.set_kernel_routes(table)
         self.kernel_routes = table
-        logger.info("CPU kernel routes: %s", table.describe())
+        logger.info(
+            "CPU kernel routes: %s on %s; ONEDNN_MAX_CPU_ISA=%s",
+            table.describe(),
+            " ".join(cpu_identity()[1]) or "no listed ISA flags",
+            os.environ.get("ONEDNN_MAX_CPU_ISA", "unset"),
+        )
 
     def close(self) -> None:
         """End the compute thread once queued steps are done. Idempotent."""
