@@ -88,11 +88,12 @@ def host_kind(flags: dict[str, bool]) -> str:
 
 
 def isa_line(flags: dict[str, bool] | None = None) -> str:
-    """``ISA: AMX (avx2 avx512f avx512_bf16 amx_bf16 amx_tile; onednn cap: none)``."""
+    """``ISA: AMX; flags avx2 avx512f avx512_bf16 amx_bf16 amx_tile; ONEDNN_MAX_CPU_ISA: none``
+    (a flag the CPU lacks reads ``no-<flag>``)."""
     flags = isa_flags() if flags is None else flags
     have = " ".join(f if ok else f"no-{f}" for f, ok in flags.items())
     cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or "none"
-    return f"ISA: {host_kind(flags)} ({have}; ONEDNN_MAX_CPU_ISA: {cap})"
+    return f"ISA: {host_kind(flags)}; flags {have}; ONEDNN_MAX_CPU_ISA: {cap}"
 
 
 def is_busy(load: float, cpus: int | None = None) -> bool:

@@ -3,6 +3,7 @@ capped oneDNN ISA, and ``--cpu-kernels default``."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -106,7 +107,7 @@ def _layers(dtype: torch.dtype, n: int = 2) -> tuple[list[list[_Copies]], _Copie
 def _request(tmp_path: Path, mode: str = "auto", dtype: str = "bfloat16") -> RouteRequest:
     return RouteRequest(
         mode=mode, dtype=dtype, max_num_seqs=32, max_num_batched_tokens=256, panels=True,
-        cache_dir=tmp_path, budget_s=0.2,
+        cache_dir=tmp_path, budget_s=0.2, busy=lambda: False,
     )  # fmt: skip
 
 
@@ -149,6 +150,14 @@ def test_routes_are_cached_reused_and_keyed(
             torch.set_num_threads(old_threads)
         assert table.source == "measured" and calls, change
     assert len(list(tmp_path.glob("*.json"))) == 4
+
+
+def test_a_table_measured_on_a_busy_host_is_used_but_not_cached(tmp_path: Path) -> None:
+    layers, head = _layers(torch.float32)
+    busy = dataclasses.replace(_request(tmp_path, dtype="float32"), busy=lambda: True)
+    table = choose_routes(busy, layers, head, lambda c, r, n: {"torch": 1.0}.get(r, 2.0))
+    assert table.source == "measured" and set(table.routes.values()) == {"torch"}
+    assert not list(tmp_path.glob("*.json"))
 
 
 def test_a_corrupt_cache_file_is_measured_again(tmp_path: Path) -> None:
@@ -215,7 +224,7 @@ from engine.kernels.route_bench import RouteRequest, choose_routes
 from tests.test_kernel_routes import _layers
 layers, head = _layers(torch.bfloat16)
 req = RouteRequest(mode="measure", dtype="bfloat16", max_num_seqs=32, max_num_batched_tokens=256,
-                   panels=True, cache_dir=Path(sys.argv[1]), budget_s=0.3)
+                   panels=True, cache_dir=Path(sys.argv[1]), budget_s=0.3, busy=lambda: False)
 table = choose_routes(req, layers, head)
 errs = {}
 for route in ("gemv", "panels", "onednn", "wide", "torch"):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -70,6 +71,17 @@ class RouteRequest:
     panels: bool  # panel copies are allowed (EngineConfig.linear_panels)
     cache_dir: Path | None = None  # None: route_cache.default_cache_dir()
     budget_s: float = BUDGET_S
+    # Whether other work shares the CPUs now (default: ``host_busy``): a table measured
+    # then is used by this process but not cached, so noise does not outlive it.
+    busy: Callable[[], bool] | None = None
+
+
+def host_busy() -> bool:
+    """More runnable threads (1-minute load average) than the CPUs this process may use."""
+    try:
+        return os.getloadavg()[0] > len(os.sched_getaffinity(0))
+    except (OSError, AttributeError):
+        return False
 
 
 def make_timer(
@@ -174,6 +186,7 @@ def measure_routes(
     if timer is None:
         count = sum(len(plan[c]) * len(cands[c]) for c in ROW_CLASSES)
         timer = make_timer(layers, lm_head, request.budget_s, count)
+    busy = (request.busy or host_busy)()
     t0 = time.perf_counter()
     deadline = t0 + OVERRUN * request.budget_s
     table = measure_table(
@@ -185,6 +198,12 @@ def measure_routes(
         logger.warning(
             "timing CPU kernel routes took %.1f s (budget %.1f s): the classes left over "
             "keep their defaults, and nothing is cached", spent, request.budget_s,
+        )  # fmt: skip
+        return table
+    if busy or (request.busy or host_busy)():
+        logger.warning(
+            "measured CPU kernel routes in %.2f s while other work shared the CPUs (load "
+            "average above the CPU count): used, not cached", spent,
         )  # fmt: skip
         return table
     logger.info("measured CPU kernel routes in %.2f s", spent)
