@@ -152,12 +152,24 @@ def test_routes_are_cached_reused_and_keyed(
     assert len(list(tmp_path.glob("*.json"))) == 4
 
 
-def test_a_table_measured_on_a_busy_host_is_used_but_not_cached(tmp_path: Path) -> None:
+def test_a_table_measured_on_a_busy_host_is_measured_again_once_quiet(tmp_path: Path) -> None:
     layers, head = _layers(torch.float32)
+    calls = []
+
+    def timer(row_class: str, route: str, rows: int) -> float:
+        calls.append(route)
+        return {"torch": 1.0}.get(route, 2.0)
+
     busy = dataclasses.replace(_request(tmp_path, dtype="float32"), busy=lambda: True)
-    table = choose_routes(busy, layers, head, lambda c, r, n: {"torch": 1.0}.get(r, 2.0))
+    table = choose_routes(busy, layers, head, timer)
     assert table.source == "measured" and set(table.routes.values()) == {"torch"}
-    assert not list(tmp_path.glob("*.json"))
+    calls.clear()
+    assert choose_routes(busy, layers, head, timer).source == route_cache.BUSY_SOURCE
+    assert calls == [], "a busy host reuses a busy measurement"
+    quiet = _request(tmp_path, dtype="float32")
+    assert choose_routes(quiet, layers, head, timer).source == "measured" and calls
+    calls.clear()
+    assert choose_routes(quiet, layers, head, timer).source == "cached" and not calls
 
 
 def test_a_corrupt_cache_file_is_measured_again(tmp_path: Path) -> None:

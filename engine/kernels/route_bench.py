@@ -72,7 +72,8 @@ class RouteRequest:
     cache_dir: Path | None = None  # None: route_cache.default_cache_dir()
     budget_s: float = BUDGET_S
     # Whether other work shares the CPUs now (default: ``host_busy``): a table measured
-    # then is used by this process but not cached, so noise does not outlive it.
+    # then is cached as such, and measured again by the first start on a quiet host, so
+    # the noise of a busy measurement does not outlive the busy spell.
     busy: Callable[[], bool] | None = None
 
 
@@ -170,7 +171,10 @@ def known_routes(
     if request.mode not in ("auto", "measure"):
         return forced_table(request.mode, setting.defaults, setting.candidates)
     if request.mode == "auto":
-        return route_cache.load(setting.cache_dir, setting.key)
+        cached = route_cache.load(setting.cache_dir, setting.key)
+        if cached is not None and cached.source == route_cache.BUSY_SOURCE:
+            return cached if (request.busy or host_busy)() else None
+        return cached
     return None
 
 
@@ -200,14 +204,16 @@ def measure_routes(
             "keep their defaults, and nothing is cached", spent, request.budget_s,
         )  # fmt: skip
         return table
-    if busy or (request.busy or host_busy)():
+    busy = busy or (request.busy or host_busy)()
+    if busy:
         logger.warning(
             "measured CPU kernel routes in %.2f s while other work shared the CPUs (load "
-            "average above the CPU count): used, not cached", spent,
+            "average above the CPU count): cached until a start on a quiet host measures "
+            "again", spent,
         )  # fmt: skip
-        return table
-    logger.info("measured CPU kernel routes in %.2f s", spent)
-    route_cache.store(setting.cache_dir, setting.key, table)
+    else:
+        logger.info("measured CPU kernel routes in %.2f s", spent)
+    route_cache.store(setting.cache_dir, setting.key, table, busy=busy)
     return table
 
 

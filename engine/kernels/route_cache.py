@@ -28,6 +28,9 @@ from engine.kernels.route_table import ROW_CLASSES, RouteTable
 
 logger = logging.getLogger(__name__)
 
+# The source of a cached table measured on a busy host: reused while the host is busy,
+# measured again once it is quiet.
+BUSY_SOURCE = "cached, measured busy"
 # Bump when the meaning of a route or of a key field changes.
 SCHEMA = 1
 # The instruction-set flags that decide which kernel wins (``/proc/cpuinfo`` names).
@@ -115,7 +118,8 @@ def load(cache_dir: Path, key: Mapping[str, Any]) -> RouteTable | None:
             return None
         routes = {c: str(data["routes"][c]) for c in ROW_CLASSES}
         timings = {c: {r: float(t) for r, t in v.items()} for c, v in data["timings"].items()}
-        return RouteTable(routes=routes, source="cached", timings=timings)
+        source = BUSY_SOURCE if data.get("measured_busy") else "cached"
+        return RouteTable(routes=routes, source=source, timings=timings)
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -123,12 +127,16 @@ def load(cache_dir: Path, key: Mapping[str, Any]) -> RouteTable | None:
         return None
 
 
-def store(cache_dir: Path, key: Mapping[str, Any], table: RouteTable) -> Path | None:
+def store(
+    cache_dir: Path, key: Mapping[str, Any], table: RouteTable, busy: bool = False
+) -> Path | None:
     """Write ``table`` under ``key`` (temporary file + rename); None if it cannot be
-    written (a read-only home: the routes still apply to this process)."""
+    written (a read-only home: the routes still apply to this process). ``busy``: it was
+    measured while other work shared the CPUs (``load`` then says ``BUSY_SOURCE``)."""
     path = _path(cache_dir, key)
     body = {
         "key": key,
+        "measured_busy": busy,
         "measured_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "routes": table.routes,
         "timings": table.timings,
