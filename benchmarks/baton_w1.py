@@ -35,6 +35,7 @@ def _baton_core(spec: RunSpec) -> EngineCore:
         kv_cache_bytes=int(spec.kv_cache_gib * 2**30),
         max_model_len=spec.max_model_len,
         num_threads=spec.threads,
+        cpu_kernels=spec.cpu_kernels,
     )
     return EngineCore(cfg, show_progress=False)
 
@@ -145,6 +146,9 @@ def run_baton(spec: RunSpec) -> RunResult:
             # The W1 requests are the only ones that can be preempted (the rest run alone).
             "preemptions": stats.num_preemptions,
             "kv_blocks": stats.num_total_blocks,
+            # The kernel each linear row class ran on (--cpu-kernels, measured or cached).
+            "cpu_kernel_routes": dict(stats.cpu_kernel_routes),
+            "cpu_kernels": spec.cpu_kernels,
         },
     )
 

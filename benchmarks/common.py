@@ -95,6 +95,8 @@ class RunSpec:
     # Single-stream figure run after the W1 run in the same child; 0 new tokens skips it.
     single_prompt_len: int = 256
     single_new_tokens: int = 128
+    # baton: EngineConfig.cpu_kernels (how the CPU linear kernels are chosen).
+    cpu_kernels: str = "auto"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -1,4 +1,5 @@
-"""Where a benchmark figure came from: command, date, git revision, machine, load average.
+"""Where a benchmark figure came from: command, date, git revision, machine and the CPU
+flags that decide its kernels (AMX or not), load average.
 
 Every results file under ``benchmarks/results/`` starts with these lines, so that a figure
 quoted in the README can be traced to the run that produced it and the state of the
@@ -54,23 +55,45 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} CPUs{mem}"
 
 
-# The CPU features that decide which kernels are fast (oneDNN's bf16 GEMM on AMX is
-# several times its AVX512-BF16 speed): every results file names them.
+# The CPU flags that decide which bf16 kernels win (``/proc/cpuinfo`` names): oneDNN's bf16
+# GEMM runs on AMX tiles where there are some, several times its AVX512-BF16 speed.
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
 
-def isa_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
-    """Which of ``ISA_FLAGS`` this CPU has, e.g. ``avx2 avx512f avx512_bf16`` (``none``)."""
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
-        return "unknown"
+def isa_flags(cpuinfo: str | None = None) -> dict[str, bool]:
+    """Whether this CPU has each of ``ISA_FLAGS`` (from ``/proc/cpuinfo`` text, read if None)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
     flags: set[str] = set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
+    for line in cpuinfo.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() in ("flags", "Features"):
+            flags = set(value.split())
             break
-    return " ".join(f for f in ISA_FLAGS if f in flags) or "none"
+    return {f: f in flags for f in ISA_FLAGS}
+
+
+def host_kind(flags: dict[str, bool]) -> str:
+    """The kind of host a figure was made on, for the README's per-kind tables."""
+    if flags.get("amx_bf16") and flags.get("amx_tile"):
+        return "AMX"
+    if flags.get("avx512_bf16"):
+        return "AVX512-BF16 (no AMX)"
+    if flags.get("avx512f"):
+        return "AVX-512 (no bf16)"
+    return "AVX2" if flags.get("avx2") else "other"
+
+
+def isa_line(flags: dict[str, bool] | None = None) -> str:
+    """``ISA: AMX; flags avx2 avx512f avx512_bf16 amx_bf16 amx_tile; ONEDNN_MAX_CPU_ISA: none``
+    (a flag the CPU lacks reads ``no-<flag>``)."""
+    flags = isa_flags() if flags is None else flags
+    have = " ".join(f if ok else f"no-{f}" for f, ok in flags.items())
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or "none"
+    return f"ISA: {host_kind(flags)}; flags {have}; ONEDNN_MAX_CPU_ISA: {cap}"
 
 
 def is_busy(load: float, cpus: int | None = None) -> bool:
@@ -91,6 +114,7 @@ def header_lines(
         f"Command: `{command}`  ",
         f"Date: {when:%Y-%m-%d %H:%M}; git revision: {git_revision()}  ",
         f"Machine: {machine()}; {threads} torch threads  ",
+        f"{isa_line()}  ",
         f"Load average (1/5/15 min): {'/'.join(f'{x:.2f}' for x in load_before)} before,"
         f" {'/'.join(f'{x:.2f}' for x in load_after)} after",
     ]

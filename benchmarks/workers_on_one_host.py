@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> Path:
         ],
         "git_revision": provenance.git_revision(),
         "machine": provenance.machine(),
-        "isa": provenance.isa_flags(),
+        "isa": provenance.isa_line(),
         "cpus": cpus,
         "busy": provenance.is_busy(max(load_before[0], load_after[0]), cpus),
         "load_before": load_before,

@@ -11,6 +11,8 @@ from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+# How CPU linear layers pick their kernels (engine.kernels.route_table.MODES).
+CPU_KERNEL_MODES = ("auto", "measure", "default", "onednn", "torch")
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +163,11 @@ class EngineConfig:
     # weights (engine.kernels.ops.pack_panels), a further copy of them in fp32 (~0.5 GB
     # for SmolLM2-135M). Workers that only prefill leave it off (rpc.worker_config).
     linear_panels: bool = True
+    # CPU: the kernel of each class of linear layer (batch-1, decode batches, prefill
+    # chunks, LM head). auto: measured on the model's weights at start-up, cached per
+    # host (engine.kernels.route_cache); measure: always measured; default: the constants
+    # of engine.kernels.ops; onednn / torch: every class on that one.
+    cpu_kernels: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
@@ -187,5 +194,9 @@ class EngineConfig:
             )
         if self.max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
+        if self.cpu_kernels not in CPU_KERNEL_MODES:
+            raise ValueError(
+                f"cpu_kernels must be one of {CPU_KERNEL_MODES}, got {self.cpu_kernels!r}"
+            )
         if self.kv_growth_tokens < 0:
             raise ValueError(f"kv_growth_tokens must be >= 0, got {self.kv_growth_tokens}")

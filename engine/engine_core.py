@@ -68,6 +68,9 @@ class EngineCore:
             kv_pool=pool_tensor,
             show_progress=show_progress,
         )
+        # The CPU kernel route of each linear row class, for Stats (none on GPU).
+        routes = getattr(self.runner, "kernel_routes", None)
+        self._kernel_routes = tuple(sorted(routes.routes.items())) if routes else ()
         # What the prefix cache stores and evicts, for the worker's KV events stream.
         self.kv_events = KVEventLog()
         self.pool = BlockPool(
@@ -177,6 +180,7 @@ class EngineCore:
             busy_seconds=self.runner.busy_seconds,
             max_num_seqs=s.max_num_seqs,
             max_queued_requests=s.max_queued,
+            cpu_kernel_routes=self._kernel_routes,
         )
 
     def generate(

@@ -16,7 +16,10 @@ forward and sample spans.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import ctypes
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +31,9 @@ from engine.config import EngineConfig, ModelConfig
 from engine.device import build_on, resolve_device
 from engine.forward_context import AttentionMetadata, ForwardContext, PrefillSeq, forward_context
 from engine.huge_pages import zeros_on_huge_pages
+from engine.kernels.route_bench import RouteRequest, known_routes, measure_routes
+from engine.kernels.route_cache import cpu_identity
+from engine.kernels.route_table import RouteTable
 from engine.kv_layout import KVLayout
 from engine.models.llama import LlamaForCausalLM
 from engine.sampler import Sampler, SamplingRow, position_generator
@@ -91,6 +97,8 @@ class ModelRunner:
                 f"expected {shape} {self.dtype} on {self.device}"
             )
         self.compute = ComputeThread(cfg.num_threads)
+        # The kernel of each linear row class (CPU; chosen while loading), None elsewhere.
+        self.kernel_routes: RouteTable | None = None
         try:
             self.model, self.kv_cache, self.sampler = self.compute.call(
                 self._load, checkpoint, shape, kv_pool, show_progress
@@ -122,12 +130,42 @@ class ModelRunner:
         # Parameters already are in dtype; this casts the fp32 rope tables, as HF does.
         model = model.to(self.dtype).eval()
         model.linear_panels = self.cfg.linear_panels
-        model.prepare_fast_path()
+        if self.device.type == "cpu":
+            self._choose_kernel_routes(model)
+        else:
+            model.prepare_fast_path()
         if kv_pool is None and self.device.type == "cpu":
             kv_pool = zeros_on_huge_pages(shape, self.dtype)
         elif kv_pool is None:
             kv_pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
         return model, kv_pool, Sampler(self.device, self.cfg.seed)
+
+    def _choose_kernel_routes(self, model: LlamaForCausalLM) -> None:
+        """Route each class of linear layer to its kernel (``--cpu-kernels``) and pack
+        the weight copies: with a cached or forced table only those it uses; to measure,
+        all of them first, then those it leaves unused are freed. Logs the table once."""
+        layers, lm_head = model.linear_layers()
+        request = RouteRequest(
+            mode=self.cfg.cpu_kernels,
+            dtype=self.cfg.dtype,
+            max_num_seqs=self.cfg.max_num_seqs,
+            max_num_batched_tokens=self.cfg.max_num_batched_tokens,
+            panels=self.cfg.linear_panels,
+        )
+        table = known_routes(request, layers, lm_head)
+        model.set_kernel_routes(table)
+        model.prepare_fast_path()
+        if table is None:
+            table = measure_routes(request, layers, lm_head)
+            model.set_kernel_routes(table)
+            _return_freed_memory()
+        self.kernel_routes = table
+        logger.info(
+            "CPU kernel routes: %s on %s; ONEDNN_MAX_CPU_ISA=%s",
+            table.describe(),
+            " ".join(cpu_identity()[1]) or "no listed ISA flags",
+            os.environ.get("ONEDNN_MAX_CPU_ISA", "unset"),
+        )
 
     def close(self) -> None:
         """End the compute thread once queued steps are done. Idempotent."""
@@ -335,3 +373,11 @@ def _step_args(sched: SchedulerOutput) -> dict[str, int]:
         "decode_seqs": len(sched.seqs) - len(prefill),
         "prefill_tokens": sum(prefill),
     }
+
+
+def _return_freed_memory() -> None:
+    """Hand the heap's free pages back to the OS (glibc ``malloc_trim``): the weight
+    copies freed after a measurement are hundreds of MB that glibc would otherwise keep
+    mapped. A no-op where there is no glibc."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)

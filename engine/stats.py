@@ -36,6 +36,9 @@ class EngineStats:
     # The scheduler's bounds: requests admitted at once, and queued beyond those.
     max_num_seqs: int = 0
     max_queued_requests: int = 0
+    # CPU: the kernel route of each linear row class (engine.kernels.route_table);
+    # fixed at start-up, empty on GPU.
+    cpu_kernel_routes: tuple[tuple[str, str], ...] = ()
 
 
 # Upper bounds (seconds) of the KV transfer duration histogram: a few blocks over shm

@@ -29,7 +29,12 @@ from gateway.http_api import build_app
 from gateway.http_server import HttpServer
 from gateway.kv_feed import KVFeed
 from gateway.kv_index import KVIndex
-from gateway.metrics import GatewayMetrics, RoutingCollector, WorkersCollector
+from gateway.metrics import (
+    GatewayMetrics,
+    KernelRoutesCollector,
+    RoutingCollector,
+    WorkersCollector,
+)
 from gateway.router import Router
 from gateway.served_model import ServedModel, locate_model
 from gateway.servicer import BatonServicer
@@ -108,6 +113,11 @@ class Gateway:
             registry.register(
                 RoutingCollector(
                     lambda: (self.router.routed_prompt_tokens, self.router.routed_cached_tokens)
+                )
+            )
+            registry.register(
+                KernelRoutesCollector(
+                    lambda: ((w.address, dict(w.cpu_kernel_routes)) for w in self.router.workers)
                 )
             )
         self.generation = Generation(

@@ -1,5 +1,6 @@
 """The gateway's Prometheus metrics: requests by final status, latencies, streams in
-flight, requests moved between decode workers, and the workers the router sees up.
+flight, requests moved between decode workers, the workers the router sees up, prompt
+tokens routed on the cache, and the CPU kernel each worker runs.
 
 Registered on the registry ``__main__`` builds (see rpc.metrics). Histogram buckets are
 vLLM's, so dashboards of the two read alike: TTFT from 1 ms to 43 min, inter-token
@@ -182,3 +183,28 @@ class RoutingCollector(Collector):
             "Of those, the tokens the chosen worker held in its prefix cache.",
             value=cached,
         )
+
+
+class KernelRoutesCollector(Collector):
+    """``baton_cpu_kernel_route{worker,row_class,route} 1``: the kernel each worker runs
+    each class of its linear layers on (``engine.kernels.route_table``), from its Stats.
+    Bounded: a few row classes per worker."""
+
+    def __init__(self, workers: Callable[[], Iterator[tuple[str, dict[str, str]]]]) -> None:
+        # Yields (address, row class -> route) of every known worker; called on the
+        # metrics thread, so it must copy the router's state in one step.
+        self._workers = workers
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            "baton_cpu_kernel_route",
+            "1 for the kernel route each worker runs each linear row class on (CPU).",
+            labels=["worker", "row_class", "route"],
+        )
+        for worker, routes in self._workers():
+            for row_class, route in sorted(routes.items()):
+                family.add_metric([worker, row_class, route], 1)
+        yield family

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from protos.baton.v1 import worker_pb2
 
@@ -70,6 +70,8 @@ class WorkerState:
     # max_num_seqs + max_queued_requests as the worker reports them; 0: not reported.
     capacity: int = 0
     left: bool = False  # no longer in its fleet's answer: forgotten once in_flight is 0
+    # CPU: row class -> kernel route the worker runs its linear layers on (Stats field 15).
+    cpu_kernel_routes: dict[str, str] = field(default_factory=dict)
 
     @property
     def up(self) -> bool:
@@ -110,6 +112,7 @@ class WorkerState:
         self.free_kv_blocks = stats.free_kv_blocks
         self.load = stats.num_running + stats.num_waiting + stats.num_waiting_for_kv
         self.queued_prompt_tokens = stats.queued_prompt_tokens
+        self.cpu_kernel_routes = dict(stats.cpu_kernel_routes)
         self.picks_since_poll = 0
         self.prompt_tokens_since_poll = 0
         self.ended_since_poll = 0

@@ -344,4 +344,5 @@ def worker_stats_to_proto(
         kv_layout=kv_layout_to_proto(layout),
         max_num_seqs=stats.max_num_seqs,
         max_queued_requests=stats.max_queued_requests,
+        cpu_kernel_routes=dict(stats.cpu_kernel_routes),
     )

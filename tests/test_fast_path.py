@@ -15,6 +15,7 @@ import torch
 
 from engine.kernels import ops
 from engine.kernels.cpu import cpu_kernels
+from engine.kernels.route_table import LAYER_CLASSES, LM_HEAD_CLASSES
 from engine.models.llama import DecoderLayer, Linear
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SampledToken
@@ -73,11 +74,16 @@ def test_engine_runs_the_fast_path_by_default(
     model = core.runner.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert linears and all(m.use_kernel for m in linears)
-    if torch.backends.mkldnn.is_available():
-        assert all(m.packed is not None for m in linears)
+    table = core.runner.kernel_routes
+    assert table is not None and all(m.routes is table for m in linears)
+    # Every copy a route of the measured table runs on is there, and only those.
+    for m in linears:
+        classes = LM_HEAD_CLASSES if m.is_lm_head else LAYER_CLASSES
+        if torch.backends.mkldnn.is_available():
+            assert (m.packed is not None) == table.uses("onednn", classes)
+        assert (m.panels is not None) == table.uses("panels", classes)
     assert (model.model.decode_stack is not None) == (cpu_kernels() is not None)
-    if cpu_kernels() is not None:  # and the decode batches run on the panels
-        assert all(m.panels is not None for m in linears)
+    if cpu_kernels() is not None and table.routes["decode"] == "panels":
         assert all(p is not None for panels in model.model.decode_stack.packed[4:] for p in panels)
     calls = {"stack": 0}
     real = ops.decode_stack

@@ -54,6 +54,9 @@ class CpuKernels:
     ops: Any
     # The build has the AVX512-BF16 dot product behind ``ops.linear_bf16``.
     bf16_dot: bool
+    # The build's cache key (source, flags, compiler, torch, CPU flags): measured kernel
+    # routes (engine.kernels.route_cache) hold for this build only.
+    build_id: str = ""
 
 
 def default_kernel_cache_dir() -> Path:
@@ -70,7 +73,7 @@ def cpu_kernels() -> CpuKernels | None:
         path = _built_library(default_kernel_cache_dir())
         torch.ops.load_library(str(path))
         ops = torch.ops.baton_cpu
-        return CpuKernels(ops=ops, bf16_dot=bool(ops.has_bf16_dot()))
+        return CpuKernels(ops=ops, bf16_dot=bool(ops.has_bf16_dot()), build_id=path.parent.name)
     except Exception as exc:  # noqa: BLE001 - any failure means: run the torch twin
         logger.warning("compiled CPU kernels unavailable, using plain torch: %s", exc)
         return None

@@ -45,14 +45,35 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const st
   return stack[0].toTensor();
 }
 
+// Route codes of decode_layer's ``routes`` (engine/kernels/ops.py ROUTE_CODES): one per
+// row class, rows <= kGemvMaxRows, <= kPanelMaxRows, above.
+enum Route : int64_t { kConstants = 0, kTorch = 1, kGemv = 2, kPanels = 3, kOnednn = 4 };
+
+// The route ``routes`` names for M rows, kConstants when it names none.
+int64_t route_for(at::IntArrayRef routes, int64_t M) {
+  const size_t cls = M <= kGemvMaxRows ? 0 : (M <= kPanelMaxRows ? 1 : 2);
+  return cls < routes.size() ? routes[cls] : kConstants;
+}
+
 // The linear layer the Python path (engine.kernels.ops.linear) would run for these rows:
+// the route measured for their row class (``routes``) where it serves them; otherwise
 // the bf16 GEMV up to kGemvMaxRows rows, then the panel-packed kernel up to kPanelMaxRows
 // when there are panels, else the prepacked weight when there is one (not for a single
 // fp32 row, where MKL's GEMV is at the bandwidth), else at::linear.
 at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& packed,
-                        const std::optional<at::Tensor>& panels, const std::optional<at::Tensor>& bias) {
+                        const std::optional<at::Tensor>& panels, const std::optional<at::Tensor>& bias,
+                        at::IntArrayRef routes = {}) {
   const int64_t M = x.size(0);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const bool has_panels = panels.has_value() && panels->defined();
+  const bool has_packed = packed.has_value() && packed->defined() && packed->scalar_type() == x.scalar_type();
+  switch (route_for(routes, M)) {
+    case kTorch: return at::linear(x, w, bias);
+    case kGemv: if (bf16 && kHasBf16Dot) return linear_bf16(x, w, bias); break;
+    case kPanels: if (has_panels) return linear_panels(x, *panels, w.size(0), bias); break;
+    case kOnednn: if (has_packed) return packed_linear(x, *packed, bias); break;
+    default: break;
+  }
   if (bf16 && M <= kGemvMaxRows && kHasBf16Dot) return linear_bf16(x, w, bias);
   if (panels.has_value() && panels->defined() && M <= kPanelMaxRows) return linear_panels(x, *panels, w.size(0), bias);
   if (packed.has_value() && packed->defined() && packed->scalar_type() == x.scalar_type() && (bf16 || M > 1))
@@ -66,7 +87,7 @@ at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& w, const std::opt
 // whole layer runs without the GIL. Weights are HF-packed: qkv_w [(H + 2 Hkv) D, C],
 // o_w [C, H D], gate_up_w [2 I, C], down_w [C, I]; *_p are their oneDNN-prepacked copies
 // (or None), *_pp their panel-packed copies (pack_panels, or None). Each linear layer is
-// the one ``layer_linear`` picks for M rows.
+// the one ``layer_linear`` picks for M rows under ``routes`` (empty: the constants).
 at::Tensor decode_layer(const at::Tensor& hidden, const at::Tensor& positions, at::Tensor& kv_cache, int64_t layer,
                         const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                         const at::Tensor& context_lens, const at::Tensor& cos, const at::Tensor& sin,
@@ -77,13 +98,13 @@ at::Tensor decode_layer(const at::Tensor& hidden, const at::Tensor& positions, a
                         const std::optional<at::Tensor>& down_p, const std::optional<at::Tensor>& qkv_pp,
                         const std::optional<at::Tensor>& o_pp, const std::optional<at::Tensor>& gate_up_pp,
                         const std::optional<at::Tensor>& down_pp, int64_t num_heads, double eps, double scale,
-                        int64_t window) {
+                        int64_t window, at::IntArrayRef routes) {
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "decode_layer: hidden must be contiguous [M, C]");
   const int64_t M = hidden.size(0);
   const int64_t Hkv = kv_cache.size(2), D = kv_cache.size(5), H = num_heads;
   TORCH_CHECK(qkv_w.size(0) == (H + 2 * Hkv) * D, "decode_layer: qkv_w rows != (heads + 2 kv_heads) * head_dim");
   const at::Tensor x = rms_norm(hidden, in_norm_w, eps);
-  const at::Tensor qkv = layer_linear(x, qkv_w, qkv_p, qkv_pp, qkv_b);
+  const at::Tensor qkv = layer_linear(x, qkv_w, qkv_p, qkv_pp, qkv_b, routes);
   const at::Tensor q = qkv.narrow(1, 0, H * D).view({M, H, D});
   const at::Tensor k = qkv.narrow(1, H * D, Hkv * D).view({M, Hkv, D});
   const at::Tensor v = qkv.narrow(1, (H + Hkv) * D, Hkv * D).view({M, Hkv, D});
@@ -91,10 +112,10 @@ at::Tensor decode_layer(const at::Tensor& hidden, const at::Tensor& positions, a
   write_kv(kv_cache, layer, kr, v, slot_mapping);
   at::Tensor attn = at::empty({M, H, D}, hidden.options());
   decode_attention(attn, qr, kv_cache, layer, block_tables, context_lens, scale, window);
-  const at::Tensor h1 = at::add(hidden, layer_linear(attn.view({M, H * D}), o_w, o_p, o_pp, std::nullopt));
+  const at::Tensor h1 = at::add(hidden, layer_linear(attn.view({M, H * D}), o_w, o_p, o_pp, std::nullopt, routes));
   const at::Tensor x2 = rms_norm(h1, post_norm_w, eps);
-  const at::Tensor act = silu_and_mul(layer_linear(x2, gate_up_w, gate_up_p, gate_up_pp, std::nullopt));
-  return at::add(h1, layer_linear(act, down_w, down_p, down_pp, std::nullopt));
+  const at::Tensor act = silu_and_mul(layer_linear(x2, gate_up_w, gate_up_p, gate_up_pp, std::nullopt, routes));
+  return at::add(h1, layer_linear(act, down_w, down_p, down_pp, std::nullopt, routes));
 }
 
 // The optional entry ``i`` of a ``Tensor?[]`` argument.
@@ -120,7 +141,7 @@ at::Tensor decode_stack(const at::Tensor& hidden, const at::Tensor& positions, a
                         const c10::List<std::optional<at::Tensor>>& o_pp,
                         const c10::List<std::optional<at::Tensor>>& gate_up_pp,
                         const c10::List<std::optional<at::Tensor>>& down_pp, int64_t num_heads, double eps,
-                        double scale, at::IntArrayRef windows) {
+                        double scale, at::IntArrayRef windows, at::IntArrayRef routes) {
   const size_t L = qkv_w.size();
   TORCH_CHECK(in_norm_w.size() == L && qkv_b.size() == L && o_w.size() == L && post_norm_w.size() == L &&
                   gate_up_w.size() == L && down_w.size() == L && qkv_p.size() == L && o_p.size() == L &&
@@ -133,7 +154,8 @@ at::Tensor decode_stack(const at::Tensor& hidden, const at::Tensor& positions, a
     h = decode_layer(h, positions, kv_cache, int64_t(l), slot_mapping, block_tables, context_lens, cos, sin,
                      in_norm_w[l], qkv_w[l], entry(qkv_b, l), o_w[l], post_norm_w[l], gate_up_w[l], down_w[l],
                      entry(qkv_p, l), entry(o_p, l), entry(gate_up_p, l), entry(down_p, l), entry(qkv_pp, l),
-                     entry(o_pp, l), entry(gate_up_pp, l), entry(down_pp, l), num_heads, eps, scale, windows[l]);
+                     entry(o_pp, l), entry(gate_up_pp, l), entry(down_pp, l), num_heads, eps, scale, windows[l],
+                     routes);
   return h;
 }
 
@@ -157,14 +179,14 @@ TORCH_LIBRARY(baton_cpu, m) {
       "Tensor block_tables, Tensor context_lens, Tensor cos, Tensor sin, Tensor in_norm_w, Tensor qkv_w, "
       "Tensor? qkv_b, Tensor o_w, Tensor post_norm_w, Tensor gate_up_w, Tensor down_w, Tensor? qkv_p, "
       "Tensor? o_p, Tensor? gate_up_p, Tensor? down_p, Tensor? qkv_pp, Tensor? o_pp, Tensor? gate_up_pp, "
-      "Tensor? down_pp, int num_heads, float eps, float scale, int window=0) -> Tensor");
+      "Tensor? down_pp, int num_heads, float eps, float scale, int window=0, int[] routes=[]) -> Tensor");
   m.def(
       "decode_stack(Tensor hidden, Tensor positions, Tensor(a!) kv_cache, Tensor slot_mapping, "
       "Tensor block_tables, Tensor context_lens, Tensor cos, Tensor sin, Tensor[] in_norm_w, Tensor[] qkv_w, "
       "Tensor?[] qkv_b, Tensor[] o_w, Tensor[] post_norm_w, Tensor[] gate_up_w, Tensor[] down_w, "
       "Tensor?[] qkv_p, Tensor?[] o_p, Tensor?[] gate_up_p, Tensor?[] down_p, Tensor?[] qkv_pp, "
       "Tensor?[] o_pp, Tensor?[] gate_up_pp, Tensor?[] down_pp, int num_heads, float eps, float scale, "
-      "int[] windows) -> Tensor");
+      "int[] windows, int[] routes=[]) -> Tensor");
   m.def("has_bf16_dot() -> bool", &has_bf16_dot);
 }
 

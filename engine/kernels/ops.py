@@ -34,6 +34,15 @@ WIDE_MIN_ROWS = 128
 # 26 rows, 1.3x at 64 (``benchmarks/panel_linear.py``).
 PANEL_MAX_ROWS = 64
 _ACT_DTYPES = (torch.float32, torch.bfloat16)
+# Route name -> code of the compiled decode_layer's ``routes`` (cpu_ops.cpp enum Route);
+# 0: what the constants pick (the compiled layer has no widened route).
+ROUTE_CODES = {"torch": 1, "gemv": 2, "panels": 3, "onednn": 4}
+
+
+def route_codes(gemv: str, decode: str, prefill: str) -> tuple[int, int, int]:
+    """The compiled layer's ``routes`` for the routes of its three row classes (up to
+    ``GEMV_MAX_ROWS`` rows, up to ``PANEL_MAX_ROWS``, above)."""
+    return tuple(ROUTE_CODES.get(r, 0) for r in (gemv, decode, prefill))  # type: ignore[return-value]
 
 
 def pack_linear_weight(weight: torch.Tensor, wide: bool = False) -> torch.Tensor | None:
@@ -60,6 +69,13 @@ def pack_linear_weight(weight: torch.Tensor, wide: bool = False) -> torch.Tensor
         return None
 
 
+def onednn_serves(dtype: torch.dtype) -> bool:
+    """Whether ``pack_linear_weight`` can prepack a weight of ``dtype`` on this host."""
+    if dtype not in _ACT_DTYPES or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def pack_panels(weight: torch.Tensor) -> torch.Tensor | None:
     """The weight [N, K] as fp32 panels of 64 output columns for ``linear``'s decode-sized
     batches (a further copy in memory, twice the size for bf16), or None where the
@@ -79,10 +95,13 @@ def linear(
     packed: torch.Tensor | None = None,
     packed_wide: torch.Tensor | None = None,
     panels: torch.Tensor | None = None,
+    route: str | None = None,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)``; ``packed`` is ``pack_linear_weight(weight)`` or None,
     ``packed_wide`` is ``pack_linear_weight(weight, wide=True)`` or None, ``panels`` is
-    ``pack_panels(weight)`` or None.
+    ``pack_panels(weight)`` or None. ``route`` (``engine.kernels.route_table``: the one
+    measured fastest for this many rows) runs that kernel where it serves these operands;
+    without one, or where it does not serve them, the constants below decide.
 
     bf16 CPU batches of up to ``GEMV_MAX_ROWS`` rows run the AVX512-BF16 GEMV kernel, which
     streams the weight at nearly the memory bandwidth (oneDNN: about half of it). Then,
@@ -90,6 +109,10 @@ def linear(
     ``WIDE_MIN_ROWS`` rows or more run on the widened weight as fp32 GEMMs. Other batches
     (and fp32 from two rows) use the prepacked weight when there is one.
     """
+    if route is not None:
+        out = run_route(route, x, weight, bias, packed, packed_wide, panels)
+        if out is not None:
+            return out
     if x.dim() == 2 and x.is_cpu:
         rows = x.shape[0]
         if (
@@ -131,6 +154,56 @@ def linear(
     return F.linear(x, weight, bias)
 
 
+def run_route(
+    route: str,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    packed: torch.Tensor | None,
+    packed_wide: torch.Tensor | None,
+    panels: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """``F.linear(x, weight, bias)`` on the kernel named ``route`` (``route_table.ROUTES``),
+    or None where that kernel does not serve these operands (another dtype, a missing
+    copy, strides it does not take)."""
+    if route == "torch":
+        return F.linear(x, weight, bias)
+    if not (x.dim() == 2 and x.is_cpu and x.dtype in _ACT_DTYPES and x.stride(1) == 1):
+        return None
+    if bias is not None and bias.dtype != x.dtype:
+        return None
+    if route == "gemv":
+        if (
+            x.dtype == torch.bfloat16
+            and weight.dtype == torch.bfloat16
+            and x.shape[1] % 32 == 0
+            and weight.is_contiguous()
+        ):
+            kernels = cpu_kernels()
+            if kernels is not None and kernels.bf16_dot:
+                return kernels.ops.linear_bf16(x, weight, bias)
+        return None
+    if route == "panels":
+        if panels is not None and x.dtype == weight.dtype:
+            return cpu_kernels().ops.linear_panels(x, panels, weight.shape[0], bias)
+        return None
+    if route == "onednn":
+        if packed is not None and x.dtype == packed.dtype:
+            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return None
+    if route == "wide":
+        if (
+            packed_wide is not None
+            and x.dtype == torch.bfloat16
+            and packed_wide.dtype == torch.float32
+        ):
+            b = None if bias is None else bias.float()
+            wide = torch.ops.mkldnn._linear_pointwise(x.float(), packed_wide, b, "none", [], "")
+            return wide.to(torch.bfloat16)
+        return None
+    raise ValueError(f"unknown linear route {route!r}")
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``F.silu(gate) * up`` for ``x = [gate | up]`` along the last dim, in one pass on CPU."""
     if x.is_cpu and x.dim() == 2 and x.dtype in _ACT_DTYPES and x.stride(1) == 1:
@@ -163,6 +236,7 @@ def decode_layer(
     scale: float,
     packed: tuple[torch.Tensor | None, ...] = (None,) * 8,
     window: int = 0,
+    routes: tuple[int, ...] = (),
 ) -> torch.Tensor | None:
     """A whole Llama decoder layer over the decode rows of a step in one call, or None.
 
@@ -171,7 +245,8 @@ def decode_layer(
     the layer's sliding window, 0 for full attention), writing the rows' K/V like the
     attention layer. ``packed`` holds the prepacked copies of (qkv, o, gate_up, down) from
     ``pack_linear_weight``, then their ``pack_panels`` (or None each); each linear layer
-    picks what ``linear`` would pick for that many rows. For decode-only batches, where
+    picks what ``linear`` would pick for that many rows (``routes``: ``route_codes`` of the
+    route table; empty: the constants). For decode-only batches, where
     per-op dispatch from Python costs as much as the attention at small batches and the
     whole layer runs without the GIL. Returns None where it does not apply (not CPU,
     another dtype, shapes the kernels don't serve), and the caller runs its modules.
@@ -188,7 +263,7 @@ def decode_layer(
     return kernels.decode_layer(
         hidden, positions, kv_cache, layer, slot_mapping, block_tables, context_lens,
         cos, sin, in_norm_w, qkv_w, qkv_b, o_w, post_norm_w, gate_up_w, down_w, *packed,
-        num_heads, eps, scale, window,
+        num_heads, eps, scale, window, list(routes),
     )  # fmt: skip
 
 
@@ -257,10 +332,16 @@ class DecodeStack:
     num_heads: int
     eps: float
     scale: float
+    # ``route_codes`` of the route table; empty: the constants.
+    routes: tuple[int, ...] = ()
 
 
 def make_decode_stack(
-    layers: list[dict[str, Any]], num_heads: int, num_kv_heads: int, head_dim: int
+    layers: list[dict[str, Any]],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    routes: tuple[int, ...] = (),
 ) -> DecodeStack | None:
     """A ``DecodeStack`` from per-layer dicts (keys: in_norm, qkv, qkv_bias, o, post_norm,
     gate_up, down, packed, window, eps, scale), or None where the kernels don't serve
@@ -285,6 +366,7 @@ def make_decode_stack(
         num_heads=num_heads,
         eps=layers[0]["eps"],
         scale=layers[0]["scale"],
+        routes=routes,
     )
 
 
@@ -312,4 +394,5 @@ def decode_stack(
         hidden, positions, kv_cache, slot_mapping, block_tables, context_lens, cos, sin,
         stack.in_norm, stack.qkv, stack.qkv_bias, stack.o, stack.post_norm, stack.gate_up,
         stack.down, *stack.packed, stack.num_heads, stack.eps, stack.scale, stack.windows,
+        list(stack.routes),
     )  # fmt: skip

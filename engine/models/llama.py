@@ -26,6 +26,14 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.forward_context import get_forward_context
 from engine.kernels import ops
+from engine.kernels.route_table import (
+    LAYER_CLASSES,
+    LM_HEAD_CLASSES,
+    ONEDNN,
+    PANELS,
+    WIDE,
+    RouteTable,
+)
 from engine.layers.attention import PagedAttention, decode_context_lens
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
@@ -49,6 +57,8 @@ class Linear(nn.Linear):
     and, for a bf16 layer that sees large batches (``wide``: prefill chunks), an fp32
     oneDNN copy too; call it again whenever the weight's values or dtype change. A stale
     or missing copy is never used for another dtype: ``ops.linear`` then runs ``F.linear``.
+    ``routes`` (a measured ``RouteTable``, or None for the constants of ``ops.linear``)
+    names the kernel for each batch size; ``drop_unrouted`` frees the copies it never uses.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True):
@@ -56,20 +66,50 @@ class Linear(nn.Linear):
         self.use_kernel = True
         # False for layers that only ever see a few rows (the LM head: sampled rows).
         self.wide = True
+        # The LM head's batches have row classes of their own (route_table.LM_HEAD_CLASSES).
+        self.is_lm_head = False
+        self.routes: RouteTable | None = None
         self.packed: torch.Tensor | None = None
         self.packed_wide: torch.Tensor | None = None
         self.panels: torch.Tensor | None = None
 
+    def _routed(self, route: str) -> bool:
+        """Whether ``routes`` may run this layer on ``route`` (every route without a
+        measured table)."""
+        if self.routes is None or self.routes.constants:
+            return True
+        return self.routes.uses(route, LM_HEAD_CLASSES if self.is_lm_head else LAYER_CLASSES)
+
+    def drop_unrouted(self) -> None:
+        """Free the copies no row class of ``routes`` runs on (they can be half again to
+        twice the model's size); a later ``prepack`` makes them again."""
+        if not self._routed(PANELS):
+            self.panels = None
+        if not self._routed(ONEDNN):
+            self.packed = None
+        if not self._routed(WIDE):
+            self.packed_wide = None
+
     def prepack(self, panels: bool = True) -> None:
+        """Make the copies: only those ``routes`` runs on when it is set (so a start whose
+        routes are cached or forced never holds the others, not even at its peak)."""
         fast = self.use_kernel
-        self.packed = ops.pack_linear_weight(self.weight) if fast else None
-        self.panels = ops.pack_panels(self.weight) if fast and panels else None
-        wide = fast and self.wide and self.weight.dtype == torch.bfloat16
+        self.packed = ops.pack_linear_weight(self.weight) if fast and self._routed(ONEDNN) else None
+        panels = fast and panels and self._routed(PANELS)
+        self.panels = ops.pack_panels(self.weight) if panels else None
+        wide = fast and self.wide and self.weight.dtype == torch.bfloat16 and self._routed(WIDE)
         self.packed_wide = ops.pack_linear_weight(self.weight, wide=True) if wide else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_kernel:
-            return ops.linear(x, self.weight, self.bias, self.packed, self.packed_wide, self.panels)
+            route = None
+            routes = self.routes
+            if routes is not None and not routes.constants and x.dim() == 2:
+                rows = x.shape[0]
+                route = routes.lm_head_route(rows) if self.is_lm_head else routes.layer_route(rows)
+            return ops.linear(
+                x, self.weight, self.bias, self.packed, self.packed_wide, self.panels, route
+            )
         return F.linear(x, self.weight, self.bias)
 
 
@@ -135,6 +175,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.use_kernel = True
+        # ``ops.route_codes`` of the model's route table for the compiled layer; (): constants.
+        self.route_codes: tuple[int, ...] = ()
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         if self.use_kernel:
@@ -157,7 +199,7 @@ class DecoderLayer(nn.Module):
             meta.decode_block_tables, decode_context_lens(meta), attn.rope.cos, attn.rope.sin,
             w["in_norm"], w["qkv"], w["qkv_bias"], w["o"], w["post_norm"], w["gate_up"],
             w["down"], attn.num_heads, w["eps"], w["scale"], packed=w["packed"],
-            window=w["window"],
+            window=w["window"], routes=self.route_codes,
         )  # fmt: skip
 
     def fused_weights(self) -> dict[str, Any]:
@@ -230,7 +272,8 @@ class LlamaModel(nn.Module):
             return None
         layers = [layer.fused_weights() for layer in self.layers]
         cfg = self.config
-        return ops.make_decode_stack(layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        routes = self.layers[0].route_codes if self.layers else ()
+        return ops.make_decode_stack(layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, routes)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -249,6 +292,9 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.lm_head.wide = False  # it only sees the sampled rows of a step
+        self.lm_head.is_lm_head = True
+        # The kernel of each row class (``set_kernel_routes``); None: ops' constants.
+        self.kernel_routes: RouteTable | None = None
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         # Whether ``prepare_fast_path`` packs panels (EngineConfig.linear_panels).
@@ -281,6 +327,38 @@ class LlamaForCausalLM(nn.Module):
         for mod in self.modules():
             if isinstance(mod, Linear):
                 mod.prepack(panels=self.linear_panels)
+        self._apply_routes()
+
+    def linear_layers(self) -> tuple[list[list[Linear]], Linear]:
+        """Each decoder layer's linear layers (qkv, o, gate_up, down), and the LM head:
+        what ``engine.kernels.route_bench`` times."""
+        layers = [
+            [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+             layer.mlp.down_proj]
+            for layer in self.model.layers
+        ]  # fmt: skip
+        return layers, self.lm_head
+
+    def set_kernel_routes(self, table: RouteTable | None) -> None:
+        """Run each linear layer on ``table``'s route for its row class (None: the
+        constants of ``ops.linear``) and free the weight copies no route uses. Set before
+        ``prepare_fast_path`` (a cached or forced table), only the copies it uses are
+        ever made; to measure a table, ``prepare_fast_path`` without one first packs
+        every copy the routes are chosen among."""
+        self.kernel_routes = table
+        self._apply_routes()
+
+    def _apply_routes(self) -> None:
+        table = self.kernel_routes
+        codes: tuple[int, ...] = ()
+        if table is not None and not table.constants:
+            codes = ops.route_codes(*(table.routes[c] for c in LAYER_CLASSES))
+        for mod in self.modules():
+            if isinstance(mod, Linear):
+                mod.routes = table
+                mod.drop_unrouted()
+            elif isinstance(mod, DecoderLayer):
+                mod.route_codes = codes
         self.model.decode_stack = self.model.make_decode_stack()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
