@@ -214,7 +214,7 @@ class NixlReceiver(LeaseReceiver):
             self._agent.deregister_memory(self._registered)
         except Exception as exc:  # noqa: BLE001 - the agent goes next anyway
             logger.warning("nixl receiver %s: deregistering the pool: %r", self.incarnation, exc)
-        self._agent = None
+        self._agent = self._inbox = None  # the agent goes with its last reference
 
     # -- notifications ----------------------------------------------------------------------
 
@@ -262,7 +262,7 @@ class NixlReceiver(LeaseReceiver):
             return
         with self._cond:
             self._writers[msg.sender] = _Writer(agent, hello.writer_id, hello.host_id == self._host)
-        diff = self.layout.mismatch(hello.layout)
+        diff = hello.layout.mismatch(self.layout)  # as the sender sees it: ours != theirs
         if diff is not None:
             reason = f"receiver {self.incarnation} refused: KV layout differs ({diff})"
             self._send(
