@@ -50,7 +50,10 @@ def nothing_left_behind() -> Iterator[None]:
 
 @contextmanager
 def connected(
-    kind: str, layout: KVLayout, seed: int = 0, config: TransferConfig = SMALL_GROUPS,
+    kind: str,
+    layout: KVLayout,
+    seed: int = 0,
+    config: TransferConfig = SMALL_GROUPS,
     address: str | None = None,
 ) -> Iterator[tuple[KVSender, KVReceiver, torch.Tensor]]:
     receiver = make_receiver(kind, layout, 32, address=address, config=config)
@@ -64,8 +67,12 @@ def connected(
 
 
 def transfer(
-    sender: KVSender, receiver: KVReceiver, request_id: str, src: tuple[int, ...],
-    dst: tuple[int, ...], epoch: int = 3,
+    sender: KVSender,
+    receiver: KVReceiver,
+    request_id: str,
+    src: tuple[int, ...],
+    dst: tuple[int, ...],
+    epoch: int = 3,
 ) -> tuple[SendCompletion, RecvCompletion]:
     desc = receiver.expect(request_id, dst, epoch, time.monotonic() + 10)
     sender.submit(SendJob(request_id, src, desc, time.monotonic() + 10))
