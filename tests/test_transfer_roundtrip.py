@@ -25,6 +25,7 @@ from engine.transfer.base import (
     TransferConfig,
 )
 from engine.transfer.factory import make_receiver, make_sender
+from engine.transfer.nixl_wire import PoolHandle
 from tests.transfer_peer import (
     NIXL,
     SMALL_GROUPS,
@@ -192,3 +193,24 @@ def test_close_fails_pending_work_and_joins_threads(kind: str) -> None:
         receiver.close()  # idempotent
         assert receiver.poll() == []
     assert transfer_threads() == []
+
+
+@pytest.mark.parametrize("kind", [NIXL])
+def test_nixl_moves_a_run_of_blocks_as_one_strided_descriptor(kind: str) -> None:
+    layout = small_layout()
+    with connected(kind, layout) as (sender, receiver, source):
+        handle = PoolHandle.from_bytes(receiver.endpoint.handle)
+        local, remote = sender.descriptors((2, 3, 4, 9), (20, 21, 22, 5), handle, 32)  # type: ignore[attr-defined]
+        rows = layout.num_layers * 2 * layout.num_kv_heads
+        row = layout.block_size * layout.head_dim * 4
+        assert local.tolist() == [
+            [source.data_ptr() + 2 * row, 3 * row, 0, 16 * row, rows],
+            [source.data_ptr() + 9 * row, row, 0, 16 * row, rows],
+        ]
+        assert remote.tolist() == [
+            [handle.address + 20 * row, 3 * row, 0, 32 * row, rows],
+            [handle.address + 5 * row, row, 0, 32 * row, rows],
+        ]
+        _, done = transfer(sender, receiver, "run", (2, 3, 4, 9), (20, 21, 22, 5))
+        assert done.ok, done.error
+        assert torch.equal(blocks(receiver.kv_cache, (20, 21, 22, 5)), blocks(source, (2, 3, 4, 9)))

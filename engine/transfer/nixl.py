@@ -19,6 +19,7 @@ lease's blocks are quarantined, however long that takes, unless the writer is kn
 
 from __future__ import annotations
 
+import hmac
 import logging
 import socket
 import threading
@@ -59,6 +60,7 @@ from engine.transfer.nixl_wire import (
     claim_fields,
     hello_fields,
     parse_claim,
+    proof,
     receiver_agent_name,
     sender_agent_name,
 )
@@ -115,12 +117,14 @@ class NixlReceiver(LeaseReceiver):
         )
         self._registered = self._agent.register_memory([self._kv])
         mem, device_id = mem_type(self._kv)
+        metadata = self._agent.get_agent_metadata()
+        key = self.config.fleet_key
         handle = PoolHandle(
-            self._agent.get_agent_metadata(),
+            metadata,
             self._kv.data_ptr(),
             mem,
             device_id,
-            self.config.fleet_key is not None,
+            proof(key, self.incarnation, metadata) if key is not None else b"",
         )
         # The address names the pool for humans and for senders' lanes: one per incarnation.
         self._endpoint = KVEndpoint(
@@ -156,6 +160,12 @@ class NixlReceiver(LeaseReceiver):
     @property
     def endpoint(self) -> KVEndpoint:
         return self._endpoint
+
+    @property
+    def num_pairs(self) -> int:
+        """Senders admitted (their hello checked, their agent loaded) and not forgotten."""
+        with self._cond:
+            return sum(1 for writer in self._writers.values() if not writer.dead)
 
     # -- lease hooks ------------------------------------------------------------------------
 
@@ -564,10 +574,17 @@ class NixlSender(QueuedSender):
         except ValueError as exc:
             raise UnavailableError(f"receiver {endpoint.incarnation}: {exc}") from exc
         key = self.config.fleet_key
-        if handle.auth and key is None:
+        if handle.proof and key is None:
             raise PermissionDeniedError(
                 f"receiver {endpoint.incarnation} admits only senders holding the fleet's "
                 "secret, and this one has none (--fleet-secret-file)"
+            )
+        if key is not None and not hmac.compare_digest(
+            handle.proof, proof(key, endpoint.incarnation, handle.metadata)
+        ):
+            raise PermissionDeniedError(
+                f"receiver {endpoint.incarnation} at {endpoint.address} does not prove it "
+                "holds the fleet's secret"
             )
         if handle.mem_type != self.mem:
             raise LayoutMismatchError(

@@ -34,7 +34,8 @@ PURPOSE = "baton/nixl-message/v1"
 _MAGIC = b"BXN1"
 _HANDLE_MAGIC = b"BXH1"
 _LEN = struct.Struct("<I")
-_HANDLE_FIXED = struct.Struct("<4sBBqQ")  # magic, auth, mem type, device id, pool address
+_HANDLE_FIXED = struct.Struct("<4sBBqQ")  # magic, proof bytes, mem type, device id, address
+PROOF_PURPOSE = "baton/nixl-receiver/v1"
 
 HELLO, WELCOME, CLAIM, GRANT, REFUSE, DONE, RELEASE, REVOKE = (
     b"H",
@@ -66,26 +67,35 @@ class PoolHandle:
     address: int  # where the pool starts in the receiver's address space
     mem_type: str  # DRAM | VRAM
     device_id: int  # the CUDA device of a VRAM pool; 0 for DRAM
-    auth: bool  # the receiver admits only senders holding the fleet's secret
+    # With a fleet secret: ``proof(key, incarnation, metadata)``, so a sender holding
+    # another secret knows at once (the receiver would drop its hello unanswered); the
+    # receiver then admits only senders whose messages carry the secret. Empty: no secret.
+    proof: bytes = b""
 
     def to_bytes(self) -> bytes:
         fixed = _HANDLE_FIXED.pack(
             _HANDLE_MAGIC,
-            int(self.auth),
+            len(self.proof),
             MEM_TYPES.index(self.mem_type),
             self.device_id,
             self.address,
         )
-        return fixed + self.metadata
+        return fixed + self.proof + self.metadata
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> PoolHandle:
         if len(raw) < _HANDLE_FIXED.size:
             raise ValueError(f"nixl endpoint handle of {len(raw)} bytes is too short")
-        magic, auth, mem, device, address = _HANDLE_FIXED.unpack_from(raw)
-        if magic != _HANDLE_MAGIC or mem >= len(MEM_TYPES):
+        magic, proof_len, mem, device, address = _HANDLE_FIXED.unpack_from(raw)
+        if magic != _HANDLE_MAGIC or mem >= len(MEM_TYPES) or proof_len not in (0, TAG_BYTES):
             raise ValueError("the endpoint handle is not a baton nixl pool handle")
-        return cls(raw[_HANDLE_FIXED.size :], address, MEM_TYPES[mem], device, bool(auth))
+        end = _HANDLE_FIXED.size + proof_len
+        return cls(raw[end:], address, MEM_TYPES[mem], device, raw[_HANDLE_FIXED.size : end])
+
+
+def proof(key: FleetKey, incarnation: str, metadata: bytes) -> bytes:
+    """The receiver's tag over its incarnation and agent metadata."""
+    return key.tag(PROOF_PURPOSE, incarnation, metadata)
 
 
 @dataclass(frozen=True, slots=True)
