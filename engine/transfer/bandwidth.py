@@ -28,26 +28,18 @@ _WAIT_S = 60.0
 
 
 def measure(
-    kind: str,
-    layout: KVLayout,
-    num_blocks: int,
-    blocks_per_job: int,
-    repeats: int,
+    kind: str, layout: KVLayout, num_blocks: int, blocks_per_job: int, repeats: int,
     config: TransferConfig | None = None,
 ) -> dict[str, float | int | str]:
     """Move ``repeats`` jobs of ``blocks_per_job`` random blocks; return GB/s of the send
     (submit to sender completion), of send plus receiver verify, and of a torch memcpy of
     the same bytes on the same device (the faster of a multi- and a single-threaded one)."""
     if kind == "cuda_ipc":
-        raise ValueError(
-            "cuda_ipc needs the sender and receiver in two processes; "
-            f"measure it with the serving benchmark, got kind {kind!r}"
-        )
+        raise ValueError("cuda_ipc needs the sender and receiver in two processes; "
+                         f"measure it with the serving benchmark, got kind {kind!r}")
     if not 1 <= blocks_per_job <= num_blocks or repeats < 1:
-        raise ValueError(
-            f"need 1 <= blocks_per_job ({blocks_per_job}) <= num_blocks "
-            f"({num_blocks}) and repeats ({repeats}) >= 1"
-        )
+        raise ValueError(f"need 1 <= blocks_per_job ({blocks_per_job}) <= num_blocks "
+                         f"({num_blocks}) and repeats ({repeats}) >= 1")
     device = "cuda" if kind == "nccl" else "cpu"
     wake = threading.Event()
     receiver = make_receiver(kind, layout, num_blocks, config=config, notify=wake.set)

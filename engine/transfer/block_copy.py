@@ -58,7 +58,7 @@ def group_nbytes(layout: KVLayout, lo: int, hi: int, num_blocks: int) -> int:
 
 def _as_3d(tensor: torch.Tensor) -> torch.Tensor:
     """``[outer, blocks, inner]``: index_select on a 6-d view is ~100x slower on CPU."""
-    return tensor.view(-1, tensor.shape[BLOCK_DIM], math.prod(tensor.shape[BLOCK_DIM + 1 :]))
+    return tensor.view(-1, tensor.shape[BLOCK_DIM], math.prod(tensor.shape[BLOCK_DIM + 1:]))
 
 
 class BlockIndex:
@@ -103,9 +103,8 @@ class Staging:
     def bytes(self, nbytes: int) -> torch.Tensor:
         """A contiguous uint8 view of the first ``nbytes``; earlier views may be invalidated."""
         if self._buf.numel() < nbytes:
-            self._buf = torch.empty(
-                nbytes, dtype=torch.uint8, device=self._device, pin_memory=self._pin
-            )
+            self._buf = torch.empty(nbytes, dtype=torch.uint8, device=self._device,
+                                    pin_memory=self._pin)
         return self._buf[:nbytes]
 
     def typed(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -165,10 +164,9 @@ class HostPool:
         assert kv.device.type == "cpu" and kv.is_contiguous() and kv.dim() == 6
         self.rows_per_layer = kv.shape[1] * kv.shape[2]
         self.num_blocks = kv.shape[BLOCK_DIM]
-        self.row_bytes = math.prod(kv.shape[BLOCK_DIM + 1 :]) * kv.element_size()
-        self.array = (
-            kv.reshape(-1).view(torch.uint8).numpy().reshape(-1, self.num_blocks, self.row_bytes)
-        )
+        self.row_bytes = math.prod(kv.shape[BLOCK_DIM + 1:]) * kv.element_size()
+        self.array = kv.reshape(-1).view(torch.uint8).numpy().reshape(
+            -1, self.num_blocks, self.row_bytes)
 
     def rows(self, lo: int, hi: int) -> tuple[int, int]:
         """The rows of layers ``lo:hi``."""
@@ -187,19 +185,12 @@ class HostPool:
 
     def _check(self, index: BlockIndex) -> None:
         assert 0 <= index.span[0] and index.span[1] < self.num_blocks, (
-            f"block ids {index.ids} outside [0, {self.num_blocks}): callers validate them"
-        )
+            f"block ids {index.ids} outside [0, {self.num_blocks}): callers validate them")
 
     def stream(
-        self,
-        lo: int,
-        hi: int,
-        index: BlockIndex,
-        checksum: KVChecksum,
-        staging: Staging | None = None,
-        dst: HostPool | None = None,
-        dst_index: BlockIndex | None = None,
-        out: np.ndarray | None = None,
+        self, lo: int, hi: int, index: BlockIndex, checksum: KVChecksum,
+        staging: Staging | None = None, dst: HostPool | None = None,
+        dst_index: BlockIndex | None = None, out: np.ndarray | None = None,
     ) -> int:
         """Move layers ``lo:hi`` of blocks ``index`` in wire order, a few rows at a time:
         gather each piece (into ``out``, the group's wire bytes, if given; else into
@@ -218,7 +209,7 @@ class HostPool:
         for start in range(r0, r1, step):
             stop = min(start + step, r1)
             offset = 0 if reuse else (start - r0) * row_wire
-            piece = out[offset : offset + (stop - start) * row_wire]
+            piece = out[offset:offset + (stop - start) * row_wire]
             rows = piece.reshape(stop - start, n, self.row_bytes)
             self.gather(start, stop, index, rows)
             checksum.update(piece)
@@ -229,12 +220,8 @@ class HostPool:
 
 
 def checksum_blocks(
-    kv: torch.Tensor,
-    layout: KVLayout,
-    block_ids: tuple[int, ...],
-    group_bytes: int,
-    staging: Staging,
-    pool: HostPool | None = None,
+    kv: torch.Tensor, layout: KVLayout, block_ids: tuple[int, ...], group_bytes: int,
+    staging: Staging, pool: HostPool | None = None,
 ) -> int:
     """The checksum a sender reports for moving exactly ``block_ids`` of ``kv``.
     ``pool``: ``kv`` as a ``HostPool``, when the caller keeps one (CPU only)."""

@@ -56,13 +56,8 @@ class CudaIpcHandle:
     event_sync_required: bool
 
     def to_bytes(self) -> bytes:
-        fixed = _FIXED.pack(
-            self.device,
-            self.size_bytes,
-            self.offset_bytes,
-            self.ref_counter_offset,
-            self.event_sync_required,
-        )
+        fixed = _FIXED.pack(self.device, self.size_bytes, self.offset_bytes,
+                            self.ref_counter_offset, self.event_sync_required)
         parts = [self.handle, self.ref_counter_handle, self.event_handle]
         return fixed + b"".join(struct.pack("<I", len(p)) + p for p in parts)
 
@@ -74,7 +69,7 @@ class CudaIpcHandle:
         pos, parts = _FIXED.size, []
         for _ in range(3):
             (length,) = struct.unpack_from("<I", raw, pos)
-            parts.append(raw[pos + 4 : pos + 4 + length])
+            parts.append(raw[pos + 4:pos + 4 + length])
             pos += 4 + length
         return cls(device, parts[0], size, offset, parts[1], rc_offset, parts[2], sync)
 
@@ -83,36 +78,17 @@ def export_pool(pool: torch.Tensor) -> CudaIpcHandle:
     device, handle, size, offset, rc_handle, rc_offset, ev_handle, sync = (
         pool.untyped_storage()._share_cuda_()
     )
-    return CudaIpcHandle(
-        int(device),
-        bytes(handle),
-        int(size),
-        int(offset),
-        bytes(rc_handle),
-        int(rc_offset),
-        bytes(ev_handle),
-        bool(sync),
-    )
+    return CudaIpcHandle(int(device), bytes(handle), int(size), int(offset), bytes(rc_handle),
+                         int(rc_offset), bytes(ev_handle), bool(sync))
 
 
 def open_pool(handle: CudaIpcHandle, layout: KVLayout, num_blocks: int) -> torch.Tensor:
     shape = layout.pool_shape(num_blocks)
     stride = torch.empty(shape, device="meta").stride()
     return rebuild_cuda_tensor(
-        torch.Tensor,
-        torch.Size(shape),
-        stride,
-        0,
-        torch.UntypedStorage,
-        torch_dtype(layout),
-        handle.device,
-        handle.handle,
-        handle.size_bytes,
-        handle.offset_bytes,
-        False,
-        handle.ref_counter_handle,
-        handle.ref_counter_offset,
-        handle.event_handle,
+        torch.Tensor, torch.Size(shape), stride, 0, torch.UntypedStorage, torch_dtype(layout),
+        handle.device, handle.handle, handle.size_bytes, handle.offset_bytes, False,
+        handle.ref_counter_handle, handle.ref_counter_offset, handle.event_handle,
         handle.event_sync_required,
     )
 
@@ -126,9 +102,8 @@ class CudaIpcReceiver(ShmReceiver):
     def _allocate_pool(self, device: torch.device) -> tuple[torch.Tensor, bytes]:
         if device.type != "cuda":
             raise ValueError(f"the cuda_ipc transport keeps its pool on a GPU, got {device}")
-        pool = torch.zeros(
-            self.layout.pool_shape(self.num_blocks), dtype=torch_dtype(self.layout), device=device
-        )
+        pool = torch.zeros(self.layout.pool_shape(self.num_blocks),
+                           dtype=torch_dtype(self.layout), device=device)
         torch.cuda.synchronize(device)  # the exported memory must be initialised
         self._transfer = TransferStream(device)
         return pool, export_pool(pool).to_bytes()
@@ -141,17 +116,9 @@ class CudaIpcReceiver(ShmReceiver):
 class CudaIpcLink(ShmLink):
     """Copies on a dedicated stream of the source GPU (and of the pool's GPU if different)."""
 
-    def __init__(
-        self,
-        segment: ShmSegment,
-        pool: torch.Tensor,
-        kv: torch.Tensor,
-        layout: KVLayout,
-        config: TransferConfig,
-        writer: int,
-        name: str,
-        fences: FenceBook,
-    ) -> None:
+    def __init__(self, segment: ShmSegment, pool: torch.Tensor, kv: torch.Tensor,
+                 layout: KVLayout, config: TransferConfig, writer: int, name: str,
+                 fences: FenceBook) -> None:
         super().__init__(segment, pool, kv, layout, config, writer, name)
         self._fences = fences
         self._fence: torch.cuda.Event | None = None
@@ -170,13 +137,11 @@ class CudaIpcLink(ShmLink):
         with torch.cuda.device(self._kv.device), torch.cuda.stream(self._src_stream):
             return super().send(job, stop)
 
-    def _copy_group(
-        self, group: int, lo: int, hi: int, src: BlockIndex, dst: BlockIndex, checksum: KVChecksum
-    ) -> int:
+    def _copy_group(self, group: int, lo: int, hi: int, src: BlockIndex, dst: BlockIndex,
+                    checksum: KVChecksum) -> int:
         slot = group % 2
-        staging = self._buffers[slot].typed(
-            0, group_shape(self._layout, lo, hi, len(src)), self._kv.dtype
-        )
+        staging = self._buffers[slot].typed(0, group_shape(self._layout, lo, hi, len(src)),
+                                            self._kv.dtype)
         if group == 0 and self._fence is not None:
             # The source blocks are final once the compute issued before the submit ran;
             # later prefill kernels are no reason to wait.
@@ -192,11 +157,8 @@ class CudaIpcLink(ShmLink):
             gathered.record(self._src_stream)
         with torch.cuda.device(self._pool.device), torch.cuda.stream(self._dst_stream):
             self._dst_stream.wait_event(gathered)
-            moved = (
-                staging
-                if staging.device == self._pool.device
-                else staging.to(self._pool.device, non_blocking=True)
-            )
+            moved = staging if staging.device == self._pool.device else staging.to(
+                self._pool.device, non_blocking=True)
             scatter(self._pool, lo, hi, dst, moved)
             done = torch.cuda.Event()
             done.record(self._dst_stream)
@@ -241,24 +203,13 @@ class CudaIpcSender(ShmSender):
 
     def _make_link(self, segment: ShmSegment, endpoint: KVEndpoint) -> ShmLink:
         if self.kv_cache.device.type != "cuda":
-            raise UnavailableError(
-                f"cuda_ipc sender needs a GPU KV cache, has {self.kv_cache.device}"
-            )
+            raise UnavailableError(f"cuda_ipc sender needs a GPU KV cache, has "
+                                   f"{self.kv_cache.device}")
         try:
-            pool = open_pool(
-                CudaIpcHandle.from_bytes(endpoint.handle), self.layout, endpoint.num_blocks
-            )
+            pool = open_pool(CudaIpcHandle.from_bytes(endpoint.handle), self.layout,
+                             endpoint.num_blocks)
         except RuntimeError as exc:
-            raise UnavailableError(
-                f"cannot open the CUDA IPC pool of receiver {endpoint.incarnation}: {exc}"
-            ) from exc
-        return CudaIpcLink(
-            segment,
-            pool,
-            self.kv_cache,
-            self.layout,
-            self.config,
-            self._writer_lock.id,
-            endpoint.address,
-            self._fences,
-        )
+            raise UnavailableError(f"cannot open the CUDA IPC pool of receiver "
+                                   f"{endpoint.incarnation}: {exc}") from exc
+        return CudaIpcLink(segment, pool, self.kv_cache, self.layout, self.config,
+                           self._writer_lock.id, endpoint.address, self._fences)
