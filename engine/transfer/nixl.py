@@ -141,6 +141,7 @@ class NixlReceiver(LeaseReceiver):
         self._by_token: dict[int, Lease] = {}
         self._host = _host_id()
         self._stop_mail = threading.Event()
+        self._mail_wake = threading.Event()
         self._mail = threading.Thread(
             target=self._mail_main, daemon=True, name="baton-transfer-nixl-mail"
         )
@@ -171,6 +172,7 @@ class NixlReceiver(LeaseReceiver):
 
     def _arm(self, lease: Lease) -> None:
         self._by_token[lease.token] = lease
+        self._mail_wake.set()  # its claim comes next: stop idling
 
     def _revoke(self, lease: Lease) -> None:
         writer = self._granted.get(lease.token)
@@ -219,6 +221,7 @@ class NixlReceiver(LeaseReceiver):
 
     def _shutdown(self) -> None:
         self._stop_mail.set()
+        self._mail_wake.set()
         self._mail.join()
         try:
             self._agent.deregister_memory(self._registered)
@@ -239,7 +242,8 @@ class NixlReceiver(LeaseReceiver):
             if not messages:
                 with self._cond:
                     busy = bool(self._leases)
-                self._stop_mail.wait(_BUSY_POLL_S if busy else _IDLE_POLL_S)
+                self._mail_wake.wait(_BUSY_POLL_S if busy else _IDLE_POLL_S)
+                self._mail_wake.clear()
 
     def _handle(self, msg: Message) -> None:
         if msg.receiver != self.incarnation:
