@@ -18,7 +18,8 @@ from engine.transfer.base import (
 from engine.transfer.cuda_ipc import CudaIpcReceiver, CudaIpcSender
 from engine.transfer.gloo import GlooReceiver, GlooSender
 from engine.transfer.nccl import NcclReceiver, NcclSender
-from engine.transfer.nixl import NixlReceiver, NixlSender
+from engine.transfer.nixl import NixlSender
+from engine.transfer.nixl_receiver import NixlReceiver
 from engine.transfer.shm import ShmReceiver, ShmSender
 
 _SENDERS: dict[str, type[KVSender]] = {

@@ -15,17 +15,16 @@ posted yet posts nothing, one mid-transfer cancels it with NIXL (releasing an ac
 transfer handle cancels it) and then releases. Until DONE or RELEASE arrives, the
 lease's blocks are quarantined, however long that takes, unless the writer is known dead
 (``forget_sender``, or on this host its liveness lock, ``writer_liveness``).
+The receiver lives in ``nixl_receiver``; this module is the sender.
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
-import socket
 import threading
 import time
 import weakref
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -41,9 +40,8 @@ from engine.errors import (
 )
 from engine.kv_layout import DTYPE_SIZES, KVLayout
 from engine.transfer.base import KVEndpoint, Notify, SendJob, TransferConfig
-from engine.transfer.block_copy import HostPool, Staging, checksum_blocks, torch_dtype
-from engine.transfer.lease_receiver import Lease, LeaseReceiver
-from engine.transfer.nixl_agent import Inbox, make_agent, mem_type
+from engine.transfer.block_copy import HostPool, Staging, checksum_blocks
+from engine.transfer.nixl_agent import Inbox, agent_name, host_id, make_agent, mem_type
 from engine.transfer.nixl_wire import (
     CLAIM,
     DONE,
@@ -53,282 +51,24 @@ from engine.transfer.nixl_wire import (
     RELEASE,
     REVOKE,
     WELCOME,
-    Hello,
     Message,
     PoolHandle,
     block_runs,
     claim_fields,
     hello_fields,
-    parse_claim,
     proof,
     receiver_agent_name,
     sender_agent_name,
 )
 from engine.transfer.queued_sender import PeerLink, QueuedSender, StopCheck
-from engine.transfer.writer_liveness import WriterLock, writer_alive
+from engine.transfer.writer_liveness import WriterLock
 
 logger = logging.getLogger(__name__)
 
-_BUSY_POLL_S = 0.0005  # the receiver drains notifications this often while leases live
-_IDLE_POLL_S = 0.02
+_BUSY_POLL_S = 0.0005  # how often a waiting sender polls its transfer
 # While a transfer is in flight the sender counts a beat this often (NIXL reports no
 # partial progress); the stall bound still ends a transfer that never completes.
 _BEAT_S = 0.05
-
-
-def _host_id() -> str:
-    """This host's identity for writer liveness: the kernel's boot id and the hostname."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
-
-
-@dataclass(slots=True)
-class _Writer:
-    """A sender incarnation that said hello."""
-
-    agent: str
-    writer_id: int
-    same_host: bool
-    dead: bool = False
-
-
-class NixlReceiver(LeaseReceiver):
-    """Decode's pool registered with its own NIXL agent; senders write into granted leases."""
-
-    kind = "nixl"
-
-    def __init__(
-        self,
-        layout: KVLayout,
-        num_blocks: int,
-        address: str = "",
-        config: TransferConfig | None = None,
-        notify: Notify | None = None,
-        device: str = "cpu",
-    ) -> None:
-        super().__init__(layout, num_blocks, config, notify)
-        self._agent = make_agent(receiver_agent_name(self.incarnation))
-        self._kv = torch.zeros(
-            layout.pool_shape(num_blocks), dtype=torch_dtype(layout), device=device
-        )
-        self._registered = self._agent.register_memory([self._kv])
-        mem, device_id = mem_type(self._kv)
-        metadata = self._agent.get_agent_metadata()
-        key = self.config.fleet_key
-        handle = PoolHandle(
-            metadata,
-            self._kv.data_ptr(),
-            mem,
-            device_id,
-            proof(key, self.incarnation, metadata) if key is not None else b"",
-        )
-        # The address names the pool for humans and for senders' lanes: one per incarnation.
-        self._endpoint = KVEndpoint(
-            self.kind,
-            address or receiver_agent_name(self.incarnation),
-            self.incarnation,
-            layout,
-            num_blocks,
-            handle.to_bytes(),
-        )
-        self._inbox = Inbox(self._agent, self.config.fleet_key, self.incarnation)
-        self._writers: dict[str, _Writer] = {}  # sender incarnation -> its agent
-        self._granted: dict[int, str] = {}  # lease token -> the sender writing it
-        self._by_token: dict[int, Lease] = {}
-        self._host = _host_id()
-        self._stop_mail = threading.Event()
-        self._mail_wake = threading.Event()
-        self._mail = threading.Thread(
-            target=self._mail_main, daemon=True, name="baton-transfer-nixl-mail"
-        )
-        self._mail.start()
-        self._start_worker()
-        logger.info(
-            "nixl receiver %s: pool of %d blocks registered (%s)",
-            self.incarnation,
-            num_blocks,
-            mem,
-        )
-
-    @property
-    def kv_cache(self) -> torch.Tensor:
-        return self._kv
-
-    @property
-    def endpoint(self) -> KVEndpoint:
-        return self._endpoint
-
-    @property
-    def num_pairs(self) -> int:
-        """Senders admitted (their hello checked, their agent loaded) and not forgotten."""
-        with self._cond:
-            return sum(1 for writer in self._writers.values() if not writer.dead)
-
-    # -- lease hooks ------------------------------------------------------------------------
-
-    def _arm(self, lease: Lease) -> None:
-        self._by_token[lease.token] = lease
-        self._mail_wake.set()  # its claim comes next: stop idling
-
-    def _revoke(self, lease: Lease) -> None:
-        writer = self._granted.get(lease.token)
-        if writer is not None:
-            self._send(writer, Message(REVOKE, self.incarnation, writer, lease.token))
-
-    def _writers_idle(self, lease: Lease) -> bool:
-        idle = lease.token not in self._granted
-        if idle:
-            self._by_token.pop(lease.token, None)
-        return idle
-
-    def _data_ready(self, lease: Lease) -> bool:
-        return lease.arrived
-
-    def _clear_dead_writers(self, lease: Lease) -> bool:
-        sender = self._granted.get(lease.token)
-        if sender is None:
-            return True
-        writer = self._writers.get(sender)
-        dead = writer is None or writer.dead
-        if writer is not None and not dead and writer.same_host:
-            dead = not writer_alive(writer.writer_id)
-        if not dead:
-            return False
-        logger.warning(
-            "request %s: sender %s died holding the lease's grant; cleared",
-            lease.request_id,
-            sender,
-        )
-        self._granted.pop(lease.token, None)
-        return self._writers_idle(lease)
-
-    def forget_sender(self, sender_incarnation: str) -> None:
-        with self._cond:
-            writer = self._writers.get(sender_incarnation)
-            if writer is None:
-                return
-            writer.dead = True  # restarted or gone: its grants hold nothing any more
-            self._cond.notify()
-        logger.info("nixl receiver %s: forgetting sender %s", self.incarnation, sender_incarnation)
-        try:
-            self._agent.remove_remote_agent(writer.agent)
-        except Exception as exc:  # noqa: BLE001 - already gone: nothing to undo
-            logger.debug("nixl: removing agent %s: %r", writer.agent, exc)
-
-    def _shutdown(self) -> None:
-        self._stop_mail.set()
-        self._mail_wake.set()
-        self._mail.join()
-        try:
-            self._agent.deregister_memory(self._registered)
-        except Exception as exc:  # noqa: BLE001 - the agent goes next anyway
-            logger.warning("nixl receiver %s: deregistering the pool: %r", self.incarnation, exc)
-        self._agent = self._inbox = None  # the agent goes with its last reference
-
-    # -- notifications ----------------------------------------------------------------------
-
-    def _mail_main(self) -> None:
-        while not self._stop_mail.is_set():
-            messages = self._inbox.drain()
-            for msg in messages:
-                try:
-                    self._handle(msg)
-                except Exception:  # noqa: BLE001 - one bad message never stops the mail
-                    logger.exception("nixl receiver %s: handling a %r", self.incarnation, msg.kind)
-            if not messages:
-                with self._cond:
-                    busy = bool(self._leases)
-                self._mail_wake.wait(_BUSY_POLL_S if busy else _IDLE_POLL_S)
-                self._mail_wake.clear()
-
-    def _handle(self, msg: Message) -> None:
-        if msg.receiver != self.incarnation:
-            logger.info(
-                "nixl: a message for receiver %s reached %s", msg.receiver, self.incarnation
-            )
-            return
-        if msg.kind == HELLO:
-            self._hello(msg)
-        elif msg.kind == CLAIM:
-            self._claim(msg)
-        elif msg.kind in (DONE, RELEASE):
-            self._let_go(msg)
-
-    def _send(self, sender: str, msg: Message) -> None:
-        writer = self._writers.get(sender)
-        if writer is None or writer.dead:
-            return
-        try:
-            self._agent.send_notif(writer.agent, msg.encode(self.config.fleet_key))
-        except Exception as exc:  # noqa: BLE001 - a sender that is gone needs no answer
-            logger.info("nixl: cannot tell sender %s: %r", sender, exc)
-
-    def _hello(self, msg: Message) -> None:
-        hello = Hello.from_message(msg)
-        agent = _name(self._agent.add_remote_agent(hello.metadata))
-        if agent != sender_agent_name(msg.sender):
-            logger.warning("nixl: hello from %s carries the metadata of %s", msg.sender, agent)
-            self._agent.remove_remote_agent(agent)
-            return
-        with self._cond:
-            self._writers[msg.sender] = _Writer(agent, hello.writer_id, hello.host_id == self._host)
-        diff = hello.layout.mismatch(self.layout)  # as the sender sees it: ours != theirs
-        if diff is not None:
-            reason = f"receiver {self.incarnation} refused: KV layout differs ({diff})"
-            self._send(
-                msg.sender, Message(REFUSE, self.incarnation, msg.sender, 0, (reason.encode(),))
-            )
-            return
-        logger.info("nixl receiver %s: sender %s said hello", self.incarnation, msg.sender)
-        self._send(msg.sender, Message(WELCOME, self.incarnation, msg.sender))
-
-    def _claim(self, msg: Message) -> None:
-        request_id, epoch, block_ids = parse_claim(msg)
-        refusal = None
-        with self._cond:
-            writer = self._writers.get(msg.sender)
-            lease = self._leases.get(request_id)
-            if writer is None or writer.dead:
-                return  # not introduced: no way to answer
-            if lease is None or lease.token != msg.token or lease.ending:
-                refusal = (
-                    f"request {request_id}: destination lease was revoked (cancelled, "
-                    "expired or superseded)"
-                )
-            elif lease.receiving:
-                refusal = f"request {request_id}: the lease was already written"
-            elif epoch != lease.epoch or block_ids != lease.block_ids:
-                lease.outcome = AbortedError(
-                    f"request {request_id}: sender targets epoch {epoch} blocks {block_ids}, "
-                    f"lease has epoch {lease.epoch} blocks {lease.block_ids}"
-                )
-                refusal = str(lease.outcome)
-                self._cond.notify()
-            else:
-                lease.receiving = True
-                self._granted[lease.token] = msg.sender
-        kind, fields = (GRANT, ()) if refusal is None else (REFUSE, (refusal.encode(),))
-        self._send(msg.sender, Message(kind, self.incarnation, msg.sender, msg.token, fields))
-
-    def _let_go(self, msg: Message) -> None:
-        with self._cond:
-            if self._granted.get(msg.token) != msg.sender:
-                return
-            del self._granted[msg.token]
-            lease = self._by_token.get(msg.token)
-            if lease is not None:
-                if msg.kind == DONE:
-                    lease.arrived = True
-                elif not lease.ending:
-                    reason = msg.fields[0].decode() if msg.fields else "no reason"
-                    lease.outcome = AbortedError(
-                        f"request {lease.request_id}: sender aborted the transfer: {reason}"
-                    )
-            self._cond.notify()
 
 
 class NixlLink(PeerLink):
@@ -503,7 +243,7 @@ class NixlSender(QueuedSender):
         self.mem, self._device_id = mem_type(kv_cache)
         self.inbox = Inbox(self.agent, self.config.fleet_key, self.incarnation)
         self._writer_lock = WriterLock(self.incarnation)
-        self._host = _host_id()
+        self._host = host_id()
         self._staging = Staging(kv_cache.device)
         self._host_pool = HostPool(kv_cache) if kv_cache.device.type == "cpu" else None
         self._checksum_lock = threading.Lock()
@@ -600,7 +340,7 @@ class NixlSender(QueuedSender):
         if budget <= 0:
             raise DeadlineExceededError(f"no time left to connect to {endpoint.address}")
         try:
-            name = _name(self.agent.add_remote_agent(handle.metadata))
+            name = agent_name(self.agent.add_remote_agent(handle.metadata))
         except Exception as exc:  # noqa: BLE001 - bad or stale metadata
             raise UnavailableError(
                 f"receiver {endpoint.incarnation}: cannot load its metadata: {exc!r}"
@@ -639,11 +379,6 @@ class NixlSender(QueuedSender):
             raise LayoutMismatchError(answer.fields[0].decode() if answer.fields else "refused")
         logger.info("nixl sender %s: joined receiver %s", self.incarnation, endpoint.incarnation)
         return NixlLink(self, endpoint, handle, name)
-
-
-def _name(agent: str | bytes) -> str:
-    """NIXL hands agent names back as bytes."""
-    return agent.decode() if isinstance(agent, bytes) else agent
 
 
 def _close_at_exit(sender: weakref.ref[NixlSender]) -> None:

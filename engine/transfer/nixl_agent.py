@@ -14,6 +14,7 @@ answers, so each waiter takes only its own.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from collections import defaultdict, deque
@@ -57,6 +58,21 @@ def make_agent(name: str) -> Any:
     if "UCX" not in agent.backends:
         raise RuntimeError(f"NIXL has no UCX backend here (plugins: {agent.plugin_list})")
     return agent
+
+
+def host_id() -> str:
+    """This host's identity for writer liveness: the kernel's boot id and the hostname."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def agent_name(name: str | bytes) -> str:
+    """NIXL hands agent names back as bytes."""
+    return name.decode() if isinstance(name, bytes) else name
 
 
 def mem_type(tensor: torch.Tensor) -> tuple[str, int]:
