@@ -160,11 +160,16 @@ def test_epoch_mismatch_at_verify_is_aborted(kind: str) -> None:
         assert "epoch 8" in str(done.error)
 
 
-def test_gloo_data_for_another_epoch_never_lands() -> None:
-    with connected("gloo") as (sender, receiver, _):
+@pytest.mark.parametrize("kind", ["gloo", NIXL])
+def test_data_for_another_epoch_never_lands(kind: str) -> None:
+    with connected(kind) as (sender, receiver, _):
         desc = receiver.expect("r", (4,), 7, deadline())
         sender.submit(SendJob("r", (1,), replace(desc, epoch=6), deadline()))
-        assert wait_for(sender.poll).ok
+        sent = wait_for(sender.poll)
+        if kind == "nixl":  # refused at the claim: nothing is ever posted
+            assert isinstance(sent.error, AbortedError) and "epoch 6" in str(sent.error)
+        else:  # gloo sends; the receiver drops the data
+            assert sent.ok
         done = wait_for(receiver.poll)
         assert isinstance(done.error, AbortedError) and "epoch 6" in str(done.error)
         assert not receiver.kv_cache.any()

@@ -206,7 +206,7 @@ def _mapped(name: str) -> bool:
         return any(name in line for line in maps)
 
 
-@pytest.mark.parametrize("kind", ["shm", "gloo"])
+@pytest.mark.parametrize("kind", ["shm", "gloo", NIXL])
 def test_sender_drops_the_state_of_a_receiver_that_died(kind: str) -> None:
     """A decode worker dies (SIGKILL) and never comes back: within seconds the prefill
     side holds no link to it, and for shm no mapping of its pool."""

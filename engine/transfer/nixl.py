@@ -47,6 +47,7 @@ from engine.transfer.nixl_wire import (
     DONE,
     GRANT,
     HELLO,
+    PING,
     REFUSE,
     RELEASE,
     REVOKE,
@@ -220,6 +221,17 @@ class NixlLink(PeerLink):
             self._sender.tell(self._agent_name, msg)
         except BatonError:
             self.broken = True
+
+    def gone(self) -> bool:
+        # UCX fails a send to a receiver whose process is gone (remote disconnect); a live
+        # one drops the ping unread.
+        try:
+            self._sender.tell(
+                self._agent_name, Message(PING, self.incarnation, self._sender.incarnation)
+            )
+        except UnavailableError:
+            return True
+        return False
 
     def close(self) -> None:
         self._sender.forget_receiver(self._agent_name, self.incarnation)

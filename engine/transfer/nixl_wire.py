@@ -13,6 +13,7 @@ as NIXL notifications between the two agents (``Message``):
     WRITE ... notification DONE(token)    ──▶    data landed: not busy, arrived
     RELEASE(token, reason)                ──▶    stopped without DONE: not busy, lease ends
                                           ◀──    REVOKE(token)  (the lease ended: stop)
+    PING                                  ──▶    (ignored: the sender probes an idle link)
 
 With a fleet secret every message carries a tag over its kind, both incarnations and its
 body, so no party outside the fleet can forge a grant, a claim or an arrival. A lease's
@@ -37,7 +38,7 @@ _LEN = struct.Struct("<I")
 _HANDLE_FIXED = struct.Struct("<4sBBqQ")  # magic, proof bytes, mem type, device id, address
 PROOF_PURPOSE = "baton/nixl-receiver/v1"
 
-HELLO, WELCOME, CLAIM, GRANT, REFUSE, DONE, RELEASE, REVOKE = (
+HELLO, WELCOME, CLAIM, GRANT, REFUSE, DONE, RELEASE, REVOKE, PING = (
     b"H",
     b"W",
     b"C",
@@ -46,8 +47,9 @@ HELLO, WELCOME, CLAIM, GRANT, REFUSE, DONE, RELEASE, REVOKE = (
     b"D",
     b"R",
     b"V",
+    b"P",  # a sender probing an idle link: UCX refuses it once the receiver is gone
 )
-KINDS = (HELLO, WELCOME, CLAIM, GRANT, REFUSE, DONE, RELEASE, REVOKE)
+KINDS = (HELLO, WELCOME, CLAIM, GRANT, REFUSE, DONE, RELEASE, REVOKE, PING)
 MEM_TYPES = ("DRAM", "VRAM")
 
 
