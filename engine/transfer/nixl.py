@@ -119,6 +119,8 @@ class NixlLink(PeerLink):
         except BaseException as exc:
             self._release(job, repr(exc) if not isinstance(exc, BatonError) else str(exc))
             raise
+        finally:
+            s.inbox.discard(self.incarnation, desc.lease_token)
         return checksum, nbytes
 
     def _check_revoked(self, job: SendJob) -> None:

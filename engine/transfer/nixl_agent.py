@@ -24,7 +24,7 @@ import torch
 
 from engine.errors import UnavailableError
 from engine.transfer.fleet_auth import FleetKey
-from engine.transfer.nixl_wire import Message
+from engine.transfer.nixl_wire import Message, receiver_agent_name, sender_agent_name
 
 logger = logging.getLogger(__name__)
 
@@ -103,15 +103,31 @@ class Inbox:
                 logger.debug("nixl: reading notifications failed: %r", exc)
                 return []
         out = []
-        for agent_name, messages in raw.items():
+        for source, messages in raw.items():
             for data in messages:
                 try:
                     msg = Message.decode(bytes(data), self._key)
                 except ValueError as exc:
-                    logger.warning("nixl: dropped a notification from %s: %s", agent_name, exc)
+                    logger.warning("nixl: dropped a notification from %s: %s", source, exc)
+                    continue
+                author = (
+                    receiver_agent_name(msg.receiver)
+                    if msg.sender == self._me
+                    else sender_agent_name(msg.sender)
+                )
+                if agent_name(source) != author:
+                    logger.warning(
+                        "nixl: dropped a %r that %s sent as %s", msg.kind, source, author
+                    )
                     continue
                 out.append(msg)
         return out
+
+    def discard(self, peer: str, token: int) -> None:
+        """Drop whatever is filed about ``token`` (a revocation that came too late)."""
+        with self._lock:
+            for key in [k for k in self._boxes if k[1] == peer and k[2] == token]:
+                del self._boxes[key]
 
     def file(self, msg: Message, peer: str) -> None:
         with self._lock:
