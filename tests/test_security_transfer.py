@@ -26,6 +26,7 @@ from engine.transfer.handoff import (
     order_tag,
 )
 from tests.transfer_peer import (
+    NIXL,
     SMALL_GROUPS,
     blocks,
     descriptor_to_json,
@@ -41,14 +42,17 @@ FLEET = FleetKey(SECRET)
 KEYED = dataclasses.replace(SMALL_GROUPS, fleet_key=FLEET)
 
 
-def test_a_process_without_the_fleet_secret_cannot_join_the_rendezvous(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["gloo", NIXL])
+def test_a_process_without_the_fleet_secret_cannot_join_the_rendezvous(
+    kind: str, tmp_path: Path
+) -> None:
     layout = small_layout()
-    receiver = make_receiver("gloo", layout, 32, config=KEYED)
+    receiver = make_receiver(kind, layout, 32, config=KEYED)
     try:
         # A separate process that can reach the store but holds no secret.
         desc = receiver.expect("intruder", (1, 2), 3, time.monotonic() + 30)
         peer = spawn_peer(
-            "send", "--kind", "gloo", "--src", "0,1", "--descriptor", descriptor_to_json(desc)
+            "send", "--kind", kind, "--src", "0,1", "--descriptor", descriptor_to_json(desc)
         )
         try:
             sent = read_json_line(peer, 30)
@@ -65,7 +69,7 @@ def test_a_process_without_the_fleet_secret_cannot_join_the_rendezvous(tmp_path:
         # says hello; no pair group.
         wrong = dataclasses.replace(SMALL_GROUPS, fleet_key=FleetKey(b"x" * 32))
         source = random_pool(layout, 16, 1)
-        sender = make_sender("gloo", source, layout, wrong)
+        sender = make_sender(kind, source, layout, wrong)
         try:
             sender.submit(SendJob("intruder", (0, 1), desc, time.monotonic() + 20))
             done = wait_for(sender.poll, 20)
@@ -84,7 +88,7 @@ def test_a_process_without_the_fleet_secret_cannot_join_the_rendezvous(tmp_path:
         member = spawn_peer(
             "send",
             "--kind",
-            "gloo",
+            kind,
             "--src",
             "0,1",
             "--seed",

@@ -36,6 +36,7 @@ from engine.transfer.store_protocol import (
     verdict_key,
 )
 from tests.transfer_peer import (
+    NIXL,
     SMALL_GROUPS,
     assert_nothing_left_behind,
     blocks,
@@ -45,7 +46,7 @@ from tests.transfer_peer import (
     wait_for,
 )
 
-KINDS = ("shm", "gloo")
+KINDS = ("shm", "gloo", NIXL)
 SOON = 10.0
 
 
@@ -159,11 +160,16 @@ def test_epoch_mismatch_at_verify_is_aborted(kind: str) -> None:
         assert "epoch 8" in str(done.error)
 
 
-def test_gloo_data_for_another_epoch_never_lands() -> None:
-    with connected("gloo") as (sender, receiver, _):
+@pytest.mark.parametrize("kind", ["gloo", NIXL])
+def test_data_for_another_epoch_never_lands(kind: str) -> None:
+    with connected(kind) as (sender, receiver, _):
         desc = receiver.expect("r", (4,), 7, deadline())
         sender.submit(SendJob("r", (1,), replace(desc, epoch=6), deadline()))
-        assert wait_for(sender.poll).ok
+        sent = wait_for(sender.poll)
+        if kind == "nixl":  # refused at the claim: nothing is ever posted
+            assert isinstance(sent.error, AbortedError) and "epoch 6" in str(sent.error)
+        else:  # gloo sends; the receiver drops the data
+            assert sent.ok
         done = wait_for(receiver.poll)
         assert isinstance(done.error, AbortedError) and "epoch 6" in str(done.error)
         assert not receiver.kv_cache.any()
@@ -271,10 +277,13 @@ def test_sender_cancel_drops_a_queued_job(kind: str) -> None:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_sender_cancel_mid_transfer_stops_at_a_layer_group(kind: str) -> None:
+    # nixl moves a lease in one transfer: its last stop before writing is "group" 0,
+    # granted and not yet posted.
+    cut = 0 if kind == "nixl" else 1
     with connected(kind) as (sender, receiver, source):
 
         def cancel_at_second_group(request_id: str, group: int) -> None:
-            if group == 1:
+            if group == cut:
                 sender.cancel(request_id)
 
         sender._on_group = cancel_at_second_group  # type: ignore[attr-defined]
@@ -282,24 +291,26 @@ def test_sender_cancel_mid_transfer_stops_at_a_layer_group(kind: str) -> None:
         sender.submit(SendJob("r", (5, 6), desc, deadline()))
         sent = wait_for(sender.poll)
         assert isinstance(sent.error, CancelledError)
-        if kind == "gloo":  # the abort travels in-band and ends the lease
+        if kind in ("gloo", "nixl"):  # the abort travels to the receiver and ends the lease
             ended = wait_for(receiver.poll)
             assert isinstance(ended.error, AbortedError) and "aborted" in str(ended.error)
         else:
             receiver.cancel("r")
             assert isinstance(wait_for(receiver.poll).error, CancelledError)
         got = blocks(receiver.kv_cache, (3, 4))
-        assert torch.equal(got[0], blocks(source, (5, 6))[0])  # group 0 landed
-        assert not got[1:].any()  # nothing after the cancel
+        if cut:
+            assert torch.equal(got[0], blocks(source, (5, 6))[0])  # group 0 landed
+        assert not got[cut:].any()  # nothing after the cancel
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_receiver_cancel_mid_transfer_frees_blocks_for_reuse(kind: str) -> None:
+    cut = 0 if kind == "nixl" else 1  # see test_sender_cancel_mid_transfer_...
     with connected(kind) as (sender, receiver, source):
         early: list[object] = []
 
         def cancel_at_second_group(request_id: str, group: int) -> None:
-            if request_id == "r" and group == 1:
+            if request_id == "r" and group == cut:
                 receiver.cancel(request_id)
                 time.sleep(0.05)
                 early.extend(receiver.poll())
@@ -308,9 +319,10 @@ def test_receiver_cancel_mid_transfer_frees_blocks_for_reuse(kind: str) -> None:
         desc = receiver.expect("r", (3, 4), 1, deadline())
         sender.submit(SendJob("r", (5, 6), desc, deadline()))
         sent = wait_for(sender.poll)
-        if kind == "shm":
-            # The shm sender holds its claim on the blocks: the lease cannot end until the
-            # sender has seen the revocation and let go, and then it writes nothing more.
+        if kind in ("shm", "nixl"):
+            # The shm sender holds its claim on the blocks (nixl: its grant): the lease
+            # cannot end until the sender has seen the revocation and let go, and then it
+            # writes nothing more.
             assert early == []
             assert isinstance(sent.error, AbortedError)
             ended = wait_for(receiver.poll, SMALL_GROUPS.drain_timeout_s / 2)
@@ -319,7 +331,7 @@ def test_receiver_cancel_mid_transfer_frees_blocks_for_reuse(kind: str) -> None:
             assert sent.ok
             (ended,) = early
         assert isinstance(ended.error, CancelledError)  # type: ignore[attr-defined]
-        assert not blocks(receiver.kv_cache, (3, 4))[1:].any()
+        assert not blocks(receiver.kv_cache, (3, 4))[cut:].any()
         # The same blocks, leased again, take a full transfer.
         desc = receiver.expect("again", (3, 4), 2, deadline())
         sender.submit(SendJob("again", (7, 8), desc, deadline()))

@@ -17,9 +17,9 @@ import pytest
 from engine.errors import CancelledError, UnavailableError
 from engine.transfer.base import KVReceiver, RecvCompletion
 from engine.transfer.factory import make_receiver
-from tests.transfer_peer import SMALL_GROUPS, small_layout
+from tests.transfer_peer import NIXL, SMALL_GROUPS, small_layout
 
-KINDS = ["shm", "gloo"]
+KINDS = ["shm", "gloo", NIXL]
 
 
 def _completions(receiver: KVReceiver, count: int, timeout: float = 10.0) -> list[RecvCompletion]:
@@ -81,7 +81,7 @@ def test_a_fault_in_a_verify_fails_that_lease_and_the_others(kind: str) -> None:
             raise MemoryError("checksum staging (injected)")
 
         receiver._check = check  # type: ignore[attr-defined]
-        if kind == "gloo":  # the data must have "arrived" for the verify to start
+        if kind in ("gloo", "nixl"):  # the data must have "arrived" for the verify to start
             with receiver._cond:  # type: ignore[attr-defined]
                 receiver._leases["verifying"].arrived = True  # type: ignore[attr-defined]
         receiver.verify("verifying", 1234, 1)

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from engine.errors import UnavailableError
+from engine.errors import DeadlineExceededError, UnavailableError
 from engine.kv_layout import KVLayout
 from engine.transfer.base import (
     KVReceiver,
@@ -25,7 +25,9 @@ from engine.transfer.base import (
     TransferConfig,
 )
 from engine.transfer.factory import make_receiver, make_sender
+from engine.transfer.nixl_wire import PoolHandle
 from tests.transfer_peer import (
+    NIXL,
     SMALL_GROUPS,
     assert_nothing_left_behind,
     blocks,
@@ -37,7 +39,7 @@ from tests.transfer_peer import (
     wait_for,
 )
 
-KINDS = ("shm", "gloo")
+KINDS = ("shm", "gloo", NIXL)
 
 
 @pytest.fixture(autouse=True)
@@ -49,7 +51,10 @@ def nothing_left_behind() -> Iterator[None]:
 
 @contextmanager
 def connected(
-    kind: str, layout: KVLayout, seed: int = 0, config: TransferConfig = SMALL_GROUPS,
+    kind: str,
+    layout: KVLayout,
+    seed: int = 0,
+    config: TransferConfig = SMALL_GROUPS,
     address: str | None = None,
 ) -> Iterator[tuple[KVSender, KVReceiver, torch.Tensor]]:
     receiver = make_receiver(kind, layout, 32, address=address, config=config)
@@ -63,8 +68,12 @@ def connected(
 
 
 def transfer(
-    sender: KVSender, receiver: KVReceiver, request_id: str, src: tuple[int, ...],
-    dst: tuple[int, ...], epoch: int = 3,
+    sender: KVSender,
+    receiver: KVReceiver,
+    request_id: str,
+    src: tuple[int, ...],
+    dst: tuple[int, ...],
+    epoch: int = 3,
 ) -> tuple[SendCompletion, RecvCompletion]:
     desc = receiver.expect(request_id, dst, epoch, time.monotonic() + 10)
     sender.submit(SendJob(request_id, src, desc, time.monotonic() + 10))
@@ -129,8 +138,13 @@ def test_restarted_receiver_at_same_address_gets_fresh_sender_state(kind: str) -
             # A descriptor from the dead incarnation is refused, never written.
             sender.submit(SendJob("stale", (0,), stale, time.monotonic() + 5))
             refused = wait_for(sender.poll)
-            assert isinstance(refused.error, UnavailableError)
-            assert "restarted" in str(refused.error)
+            if kind == "nixl":
+                # The descriptor itself carries the dead agent's metadata: nothing at the
+                # address says who lives there now, so the dead agent just never answers.
+                assert isinstance(refused.error, UnavailableError | DeadlineExceededError)
+            else:
+                assert isinstance(refused.error, UnavailableError)
+                assert "restarted" in str(refused.error)
             assert not blocks(second.kv_cache, (9,)).any()
         finally:
             second.close()
@@ -179,3 +193,24 @@ def test_close_fails_pending_work_and_joins_threads(kind: str) -> None:
         receiver.close()  # idempotent
         assert receiver.poll() == []
     assert transfer_threads() == []
+
+
+@pytest.mark.parametrize("kind", [NIXL])
+def test_nixl_moves_a_run_of_blocks_as_one_strided_descriptor(kind: str) -> None:
+    layout = small_layout()
+    with connected(kind, layout) as (sender, receiver, source):
+        handle = PoolHandle.from_bytes(receiver.endpoint.handle)
+        local, remote = sender.descriptors((2, 3, 4, 9), (20, 21, 22, 5), handle, 32)  # type: ignore[attr-defined]
+        rows = layout.num_layers * 2 * layout.num_kv_heads
+        row = layout.block_size * layout.head_dim * 4
+        assert local.tolist() == [
+            [source.data_ptr() + 2 * row, 3 * row, 0, 16 * row, rows],
+            [source.data_ptr() + 9 * row, row, 0, 16 * row, rows],
+        ]
+        assert remote.tolist() == [
+            [handle.address + 20 * row, 3 * row, 0, 32 * row, rows],
+            [handle.address + 5 * row, row, 0, 32 * row, rows],
+        ]
+        _, done = transfer(sender, receiver, "run", (2, 3, 4, 9), (20, 21, 22, 5))
+        assert done.ok, done.error
+        assert torch.equal(blocks(receiver.kv_cache, (20, 21, 22, 5)), blocks(source, (2, 3, 4, 9)))

@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import pytest
 import torch
 
 from engine.kv_layout import BLOCK_DIM, KVLayout
@@ -37,9 +38,18 @@ from engine.transfer.base import KVDescriptor, KVEndpoint, SendJob, TransferConf
 from engine.transfer.block_copy import torch_dtype
 from engine.transfer.factory import make_receiver, make_sender
 from engine.transfer.fleet_auth import FleetKey
+from engine.transfer.nixl_agent import INSTALL_HINT, nixl_available
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parent.parent
+
+# The nixl transport, run where its library is installed (the "nixl" extra).
+NIXL = pytest.param(
+    "nixl",
+    marks=pytest.mark.skipif(
+        not nixl_available(), reason=f"nixl_cu12 is not importable: {INSTALL_HINT}"
+    ),
+)
 
 # One layer per message, so every transfer is cut into several layer groups.
 SMALL_GROUPS = TransferConfig(group_bytes=1, connect_timeout_s=10.0, stall_timeout_s=2.0)

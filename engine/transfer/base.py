@@ -24,9 +24,16 @@ from engine.transfer.fleet_auth import FleetKey
 if TYPE_CHECKING:
     import torch
 
-TRANSPORT_KINDS = ("shm", "gloo", "cuda_ipc", "nccl")
-# Where each transport keeps and moves KV: the device type its pools must live on.
-TRANSPORT_DEVICE_TYPES = {"shm": "cpu", "gloo": "cpu", "cuda_ipc": "cuda", "nccl": "cuda"}
+TRANSPORT_KINDS = ("shm", "gloo", "cuda_ipc", "nccl", "nixl")
+# Where each transport keeps and moves KV: the device types its pools may live on (the
+# first is its default).
+TRANSPORT_DEVICE_TYPES: dict[str, tuple[str, ...]] = {
+    "shm": ("cpu",),
+    "gloo": ("cpu",),
+    "cuda_ipc": ("cuda",),
+    "nccl": ("cuda",),
+    "nixl": ("cpu", "cuda"),
+}
 
 # Called on a transport worker thread right after a completion is queued, so an asyncio
 # loop can be woken (``loop.call_soon_threadsafe``). It must not block.
@@ -40,10 +47,11 @@ def check_transport_device(kind: str, device: str) -> None:
         raise ValueError(f"transport must be one of {list(TRANSPORT_KINDS)}, got {kind!r}")
     have = device.partition(":")[0]
     want = TRANSPORT_DEVICE_TYPES[kind]
-    if have != want:
-        fits = [k for k, t in TRANSPORT_DEVICE_TYPES.items() if t == have]
+    if have not in want:
+        fits = [k for k, types in TRANSPORT_DEVICE_TYPES.items() if have in types]
         raise ValueError(
-            f"transport {kind!r} moves KV between {want.upper()} pools, but device is "
+            f"transport {kind!r} moves KV between {' or '.join(w.upper() for w in want)} "
+            f"pools, but device is "
             f"{device!r}; with that device use transport {' or '.join(fits) or '(none)'}"
         )
 

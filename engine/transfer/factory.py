@@ -18,6 +18,8 @@ from engine.transfer.base import (
 from engine.transfer.cuda_ipc import CudaIpcReceiver, CudaIpcSender
 from engine.transfer.gloo import GlooReceiver, GlooSender
 from engine.transfer.nccl import NcclReceiver, NcclSender
+from engine.transfer.nixl import NixlSender
+from engine.transfer.nixl_receiver import NixlReceiver
 from engine.transfer.shm import ShmReceiver, ShmSender
 
 _SENDERS: dict[str, type[KVSender]] = {
@@ -25,14 +27,22 @@ _SENDERS: dict[str, type[KVSender]] = {
     "gloo": GlooSender,
     "cuda_ipc": CudaIpcSender,
     "nccl": NcclSender,
+    "nixl": NixlSender,
 }
 _RECEIVERS = {
     "shm": ShmReceiver,
     "gloo": GlooReceiver,
     "cuda_ipc": CudaIpcReceiver,
     "nccl": NcclReceiver,
+    "nixl": NixlReceiver,
 }
-_DEFAULT_ADDRESSES = {"shm": "", "gloo": "127.0.0.1:0", "cuda_ipc": "", "nccl": "127.0.0.1:0"}
+_DEFAULT_ADDRESSES = {
+    "shm": "",
+    "gloo": "127.0.0.1:0",
+    "cuda_ipc": "",
+    "nccl": "127.0.0.1:0",
+    "nixl": "",
+}
 
 
 def _check_kind(kind: str) -> None:
@@ -64,10 +74,11 @@ def make_receiver(
 ) -> KVReceiver:
     """A receiver that allocates a ``num_blocks`` pool. ``address``: shm / cuda_ipc, the
     segment name (random if empty); gloo / nccl, "host:port" to serve the store on (port 0
-    picks one). ``device``: "cpu" for shm / gloo, a CUDA device for cuda_ipc / nccl (a
-    bare "cuda" is the current device); the pool is allocated there and nowhere else."""
+    picks one); nixl, a name for the pool (its agent's name if empty). ``device``: "cpu"
+    for shm / gloo, a CUDA device for cuda_ipc / nccl (a bare "cuda" is the current
+    device), either for nixl (default cpu); the pool is allocated there and nowhere else."""
     _check_kind(kind)
-    resolved = resolve_device(TRANSPORT_DEVICE_TYPES[kind] if device is None else device)
+    resolved = resolve_device(TRANSPORT_DEVICE_TYPES[kind][0] if device is None else device)
     check_transport_device(kind, str(resolved))
     return _RECEIVERS[kind](
         layout,

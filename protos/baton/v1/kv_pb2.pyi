@@ -14,6 +14,7 @@ class KVTransport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KV_TRANSPORT_GLOO: _ClassVar[KVTransport]
     KV_TRANSPORT_CUDA_IPC: _ClassVar[KVTransport]
     KV_TRANSPORT_NCCL: _ClassVar[KVTransport]
+    KV_TRANSPORT_NIXL: _ClassVar[KVTransport]
 
 class KVDtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -26,6 +27,7 @@ KV_TRANSPORT_SHM: KVTransport
 KV_TRANSPORT_GLOO: KVTransport
 KV_TRANSPORT_CUDA_IPC: KVTransport
 KV_TRANSPORT_NCCL: KVTransport
+KV_TRANSPORT_NIXL: KVTransport
 KV_DTYPE_UNSPECIFIED: KVDtype
 KV_DTYPE_FLOAT32: KVDtype
 KV_DTYPE_BFLOAT16: KVDtype
