@@ -161,6 +161,9 @@ class EngineConfig:
     # weights (engine.kernels.ops.pack_panels), a further copy of them in fp32 (~0.5 GB
     # for SmolLM2-135M). Workers that only prefill leave it off (rpc.worker_config).
     linear_panels: bool = True
+    # GPU: when the Triton attention kernels do not build at start, "none" fails the
+    # start; "torch" serves on the plain-torch runner (slower, logged, metric-visible).
+    attention_fallback: str = "none"
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
@@ -185,3 +188,7 @@ class EngineConfig:
             raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
         if self.kv_growth_tokens < 0:
             raise ValueError(f"kv_growth_tokens must be >= 0, got {self.kv_growth_tokens}")
+        if self.attention_fallback not in ("none", "torch"):
+            raise ValueError(
+                f"attention_fallback must be 'none' or 'torch', got {self.attention_fallback!r}"
+            )

@@ -36,6 +36,9 @@ class EngineStats:
     # The scheduler's bounds: requests admitted at once, and queued beyond those.
     max_num_seqs: int = 0
     max_queued_requests: int = 0
+    # GPU: the Triton kernels did not build and --attention-fallback torch chose the
+    # plain-torch runner.
+    attention_fallback: bool = False
 
 
 # Upper bounds (seconds) of the KV transfer duration histogram: a few blocks over shm

@@ -32,6 +32,16 @@ RELEASE, NAMESPACE = "baton", "llm"
 # Labels that only mean something to Helm; the kustomize base drops them.
 _HELM_ONLY_LABELS = ("helm.sh/chart", "app.kubernetes.io/managed-by")
 
+# Where the image (k8s/Dockerfile) and every rendered container point the JIT caches: all
+# in the writable cache emptyDir under a read-only root.
+JIT_CACHES = {
+    "XDG_CACHE_HOME": "/home/baton/.cache",
+    "TRITON_HOME": "/home/baton/.cache",
+    "TRITON_CACHE_DIR": "/home/baton/.cache/triton",
+    "TORCHINDUCTOR_CACHE_DIR": "/home/baton/.cache/torchinductor",
+    "CUDA_CACHE_PATH": "/home/baton/.cache/nv",
+}
+
 # What the image's entrypoint (k8s/entrypoint.sh) runs for each role.
 ROLE_MODULES = {
     "gateway": ("gateway",),

@@ -9,7 +9,16 @@ from typing import Any
 
 import pytest
 
-from tests.k8s_manifests import CHART, K8S, KUSTOMIZE, containers, named, of_kind, render
+from tests.k8s_manifests import (
+    CHART,
+    JIT_CACHES,
+    K8S,
+    KUSTOMIZE,
+    containers,
+    named,
+    of_kind,
+    render,
+)
 
 
 def deployments(values: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -178,6 +187,46 @@ def test_model_from_a_volume_is_mounted_read_only_everywhere() -> None:
         assert {"name": "model", "mountPath": "/models", "readOnly": True} in c.spec["volumeMounts"]
         volume = next(v for v in c.pod["volumes"] if v["name"] == "model")
         assert volume["hostPath"] == {"path": "/srv/m", "type": "Directory"}
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"engine": {"device": "cuda"}, "transfer": {"transport": "nccl"}},
+        {"mode": "single"},
+        {"mode": "colocated", "transfer": {"transport": "shm"}},
+    ],
+)
+def test_every_jit_cache_is_on_a_writable_empty_dir_under_a_read_only_root(
+    values: dict[str, Any],
+) -> None:
+    objects = render(values)
+    for c in containers(objects):
+        assert c.spec["securityContext"]["readOnlyRootFilesystem"] is True
+        env = c.env(objects)
+        volumes = {v["name"]: v for v in c.pod["volumes"]}
+        writable = {
+            m["mountPath"]: volumes[m["name"]]
+            for m in c.spec["volumeMounts"]
+            if not m.get("readOnly")
+        }
+        for name, path in JIT_CACHES.items():
+            assert env[name] == path, f"{c.name}: {name}"
+            mount = max((m for m in writable if (path + "/").startswith(m + "/")), key=len)
+            assert "emptyDir" in writable[mount], f"{c.name}: {name} on {mount}"
+
+
+def test_attention_fallback_reaches_both_workers() -> None:
+    data = named(render({}), "ConfigMap", "baton-config")["data"]
+    assert data["BATON_PREFILL_ATTENTION_FALLBACK"] == data["BATON_DECODE_ATTENTION_FALLBACK"]
+    assert data["BATON_DECODE_ATTENTION_FALLBACK"] == "none"  # the default fails the start
+    data = named(
+        render({"decode": {"settings": {"attentionFallback": "torch"}}}),
+        "ConfigMap",
+        "baton-config",
+    )["data"]
+    assert data["BATON_DECODE_ATTENTION_FALLBACK"] == "torch"
+    assert data["BATON_PREFILL_ATTENTION_FALLBACK"] == "none"
 
 
 def test_engine_settings_reach_both_workers_as_env_twins() -> None:

@@ -107,7 +107,24 @@ dns:///{{ include "baton.fullname" .root }}-{{ .name }}:{{ .port }}
 {{- end }}
 {{- end }}
 
-{{- define "baton.cacheDir" -}}/home/baton/.cache/baton/models{{- end }}
+{{/* The writable cache emptyDir (the root file system is read-only). */}}
+{{- define "baton.cacheHome" -}}/home/baton/.cache{{- end }}
+{{- define "baton.cacheDir" -}}{{ include "baton.cacheHome" . }}/baton/models{{- end }}
+
+{{/*
+Every JIT cache pointed into the cache emptyDir: Triton (kernels and their launchers,
+compiled at first use), TorchInductor, the CUDA driver's PTX cache and XDG's. Their
+defaults lie under $HOME, which the read-only root makes unwritable. The image sets the
+same values; the chart sets them too, so another image or HOME cannot move them.
+*/}}
+{{- define "baton.jitCacheEnv" -}}
+{{- $home := include "baton.cacheHome" . }}
+- {name: XDG_CACHE_HOME, value: {{ $home | quote }}}
+- {name: TRITON_HOME, value: {{ $home | quote }}}
+- {name: TRITON_CACHE_DIR, value: {{ printf "%s/triton" $home | quote }}}
+- {name: TORCHINDUCTOR_CACHE_DIR, value: {{ printf "%s/torchinductor" $home | quote }}}
+- {name: CUDA_CACHE_PATH, value: {{ printf "%s/nv" $home | quote }}}
+{{- end }}
 
 {{/*
 The Secrets a container role mounts, as a YAML list of {name, secretName}: each is a
@@ -227,19 +244,20 @@ BATON_<ROLE>_* environment twins, plus the pod IP as the advertise host of worke
     - --http-port
     - {{ $root.Values.http.port | quote }}
     {{- end }}
-  {{- if ne $role "gateway" }}
   env:
+    {{- range include "baton.jitCacheEnv" . | fromYamlArray }}
+    - name: {{ .name }}
+      value: {{ .value | quote }}
+    {{- end }}
+    {{- if ne $role "gateway" }}
     - name: {{ include "baton.envPrefix" $role }}ADVERTISE_HOST
       valueFrom:
         fieldRef:
           fieldPath: status.podIP
+    {{- end }}
     {{- with $block.env }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
-  {{- else if $block.env }}
-  env:
-    {{- toYaml $block.env | nindent 4 }}
-  {{- end }}
   envFrom:
     - configMapRef:
         name: {{ include "baton.fullname" $root }}-config
@@ -294,7 +312,7 @@ BATON_<ROLE>_* environment twins, plus the pod IP as the advertise host of worke
     {{- toYaml $root.Values.containerSecurityContext | nindent 4 }}
   volumeMounts:
     - name: cache
-      mountPath: /home/baton/.cache
+      mountPath: {{ include "baton.cacheHome" . }}
     - name: tmp
       mountPath: /tmp
     {{- if ne $root.Values.model.source "image" }}
