@@ -202,6 +202,17 @@ class Container:
         return [*self.spec.get("command", []), *self.spec.get("args", [])]
 
     @property
+    def processes(self) -> list[tuple[str, list[str]]]:
+        """(role, flags) of each service process the container runs: its role's, or for
+        the entrypoint's ``pair`` the prefill worker's and the decode worker's (split at
+        ``--``)."""
+        flags = self.args[1:]
+        if self.role != "pair":
+            return [(self.role, flags)]
+        cut = flags.index("--")
+        return [("prefill", flags[:cut]), ("decode", flags[cut + 1 :])]
+
+    @property
     def ports(self) -> dict[str, int]:
         return {p["name"]: p["containerPort"] for p in self.spec.get("ports", [])}
 

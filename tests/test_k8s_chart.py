@@ -52,8 +52,8 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "mode": "colocated",
         "transfer": {"transport": "cuda_ipc"},
         "engine": {"device": "cuda"},
-        "prefill": {"gpus": 1},
         "decode": {"gpus": 1},
+        "security": {"fleetTls": {"secretName": "fleet"}, "fleetSecret": {"secretName": "s"}},
     },
     "nccl-pvc": {
         "transfer": {"transport": "nccl"},
@@ -203,22 +203,23 @@ def test_every_container_passes_its_services_config_parser(renders, overlays) ->
     """The flags and env twins of every rendered container parse (a renamed flag or env
     key fails here), and what they resolve to is what the manifest means."""
     for where, c, objects in all_containers(renders, overlays):
-        assert c.role in ROLE_MODULES, f"{where}: {c.name} runs unknown role {c.role!r}"
         env = c.env(objects, pod_ip="10.0.0.7")
-        try:
-            cfg = check_config(c.role, c.args[1:], env)
-        except (ValueError, SystemExit) as exc:
-            raise AssertionError(f"{where}: {c.deployment}/{c.name} {c.args}: {exc}") from exc
-        assert cfg["host"] == "0.0.0.0", where
-        _assert_files_are_mounted_secrets(where, c, cfg)
-        if c.role == "gateway":
-            for target in [*cfg["decode"], *cfg["prefill"]]:
-                assert target.startswith("dns:///"), f"{where}: {target}"
-        else:
-            assert cfg["advertise_host"] == "10.0.0.7", f"{where}: {c.name} advertises {cfg}"
-            assert cfg["transport"] in ("gloo", "nccl", "shm", "cuda_ipc")
-            if cfg["transport"] in ("gloo", "nccl") and c.role == "decode":
-                assert cfg["transport_address"] == f"10.0.0.7:{c.ports['kv-store']}", where
+        for role, flags in c.processes:
+            assert role in ROLE_MODULES, f"{where}: {c.name} runs unknown role {role!r}"
+            try:
+                cfg = check_config(role, flags, env)
+            except (ValueError, SystemExit) as exc:
+                raise AssertionError(f"{where}: {c.deployment}/{c.name} {c.args}: {exc}") from exc
+            assert cfg["host"] == "0.0.0.0", where
+            _assert_files_are_mounted_secrets(where, c, cfg)
+            if role == "gateway":
+                for target in [*cfg["decode"], *cfg["prefill"]]:
+                    assert target.startswith("dns:///"), f"{where}: {target}"
+            else:
+                assert cfg["advertise_host"] == "10.0.0.7", f"{where}: {c.name} advertises {cfg}"
+                assert cfg["transport"] in ("gloo", "nccl", "shm", "cuda_ipc")
+                if cfg["transport"] in ("gloo", "nccl") and role == "decode":
+                    assert cfg["transport_address"] == f"10.0.0.7:{c.ports['kv-store']}", where
 
 
 # Config fields that name a file the chart mounts from a Secret.
@@ -279,20 +280,23 @@ def test_ports_of_probes_services_and_policies_are_the_listening_ports(renders, 
     for where, objects in everything:
         listening: dict[str, dict[str, int]] = {}  # deployment -> port name -> number
         for c in containers(objects):
-            cfg = check_config(c.role, c.args[1:], c.env(objects))
-            assert c.ports[_grpc_name(c.role)] == cfg["port"], f"{where}: {c.name} gRPC"
-            if cfg["metrics_port"]:
-                assert c.ports[_metrics_name(c.role)] == cfg["metrics_port"], where
-            else:
-                assert _metrics_name(c.role) not in c.ports, where
-            if cfg.get("http_port") is not None:
-                assert c.ports["http"] == cfg["http_port"], f"{where}: {c.name} HTTP"
-            else:
-                assert "http" not in c.ports, where
+            probed = []  # the gRPC ports of its processes (a pair's probes check decode's)
+            for role, flags in c.processes:
+                cfg = check_config(role, flags, c.env(objects))
+                assert c.ports[_grpc_name(role)] == cfg["port"], f"{where}: {c.name} gRPC"
+                if cfg["metrics_port"]:
+                    assert c.ports[_metrics_name(role)] == cfg["metrics_port"], where
+                else:
+                    assert _metrics_name(role) not in c.ports, where
+                if cfg.get("http_port") is not None:
+                    assert c.ports["http"] == cfg["http_port"], f"{where}: {c.name} HTTP"
+                else:
+                    assert "http" not in c.ports, where
+                probed.append(
+                    c.ports["http"] if "httpGet" in c.spec["readinessProbe"] else cfg["port"]
+                )
             for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
-                probe = c.spec[kind]
-                want = c.ports["http"] if "httpGet" in probe else cfg["port"]
-                assert _probe_port(c, probe) == want, f"{where}: {c.name} {kind}"
+                assert _probe_port(c, c.spec[kind]) == probed[-1], f"{where}: {c.name} {kind}"
             listening.setdefault(c.deployment, {}).update(c.ports)
         for deploy in of_kind(objects, "Deployment"):
             name = deploy["metadata"]["name"]

@@ -5,8 +5,12 @@ writable. That the Dockerfile is hadolint-clean is checked in tests/test_k8s_cha
 
 from __future__ import annotations
 
+import json
 import re
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -105,3 +109,93 @@ def test_the_toolchain_step_refuses_nothing_it_should_not(variant: str, tmp_path
     bin_dir, _ = stub_system(tmp_path, gcc=True, python_h=True)
     out = run_toolchain(bin_dir, variant, "0")
     assert out.returncode == 0 and out.stderr == ""
+
+
+# --- the entrypoint's pair role: prefill and decode in one container -------------------
+
+FAKE_PYTHON = """#!/bin/sh
+# python -m MODULE FLAGS...: logs its start and its SIGTERM; prefill_service exits with
+# $PREFILL_EXIT after a moment when that is set.
+mod="$2"; shift 2
+echo "$mod $*" >> "$LOG"
+trap 'echo "$mod TERM" >> "$LOG"; exit 0' TERM
+if [ "$mod" = prefill_service ] && [ -n "${PREFILL_EXIT:-}" ]; then
+  sleep 0.5
+  exit "$PREFILL_EXIT"
+fi
+while :; do sleep 0.1; done
+"""
+
+
+def start_pair(tmp_path: Path, *args: str, **env: str) -> tuple[subprocess.Popen[str], Path]:
+    bin_dir, log = tmp_path / "bin", tmp_path / "pair.log"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "python").write_text(FAKE_PYTHON)
+    (bin_dir / "python").chmod(0o755)
+    proc = subprocess.Popen(
+        ["/bin/sh", str(K8S / "entrypoint.sh"), "pair", *args],
+        env={"PATH": f"{bin_dir}:/usr/bin:/bin", "LOG": str(log), **env},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    return proc, log
+
+
+def wait_for_lines(log: Path, count: int) -> list[str]:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        lines = log.read_text().splitlines() if log.exists() else []
+        if len(lines) >= count:
+            return lines
+        time.sleep(0.05)
+    raise AssertionError(f"{log} has {lines}, wanted {count} lines")
+
+
+def test_pair_runs_both_workers_with_their_own_flags_and_drains_both(tmp_path: Path) -> None:
+    proc, log = start_pair(tmp_path, "--port", "50052", "--grace-s", "30", "--", "--port", "50053")
+    assert sorted(wait_for_lines(log, 2)) == [
+        "decode_service --port 50053",
+        "prefill_service --port 50052 --grace-s 30",
+    ]
+    proc.send_signal(signal.SIGTERM)  # the kubelet stopping the pod
+    assert proc.wait(timeout=10) == 0, proc.stderr.read() if proc.stderr else ""
+    assert sorted(log.read_text().splitlines()[2:]) == [
+        "decode_service TERM",
+        "prefill_service TERM",
+    ]
+
+
+def test_pair_stops_the_other_worker_and_fails_when_one_exits(tmp_path: Path) -> None:
+    proc, log = start_pair(tmp_path, "--port", "1", "--", "--port", "2", PREFILL_EXIT="3")
+    assert proc.wait(timeout=10) == 3
+    assert log.read_text().splitlines()[-1] == "decode_service TERM"
+    assert "the prefill worker exited (3); stopping the other" in (proc.stderr.read() or "")
+    # A worker that stops unasked with status 0 still fails the container.
+    proc, _ = start_pair(tmp_path / "zero", "--", "--port", "2", PREFILL_EXIT="0")
+    assert proc.wait(timeout=10) == 1
+
+
+def test_pair_needs_the_separator(tmp_path: Path) -> None:
+    proc, log = start_pair(tmp_path, "--port", "1")
+    assert proc.wait(timeout=10) == 2 and not log.exists()
+    assert "PREFILL_FLAGS... -- DECODE_FLAGS..." in (proc.stderr.read() or "")
+
+
+def test_pair_check_config_prints_both_resolved_configurations(tmp_path: Path) -> None:
+    env = {
+        "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",
+        "PYTHONPATH": str(K8S.parent),
+        "BATON_PREFILL_TRANSPORT": "shm",
+        "BATON_DECODE_TRANSPORT": "shm",
+    }
+    out = subprocess.run(
+        ["/bin/sh", str(K8S / "entrypoint.sh"), "pair", "--check-config", "--metrics-port",
+         "9123", "--", "--check-config", "--metrics-port", "9124"],
+        capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    printed = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert [(p["service"], p["config"]["metrics_port"]) for p in printed] == [
+        ("prefill_service", 9123),
+        ("decode_service", 9124),
+    ]

@@ -179,6 +179,53 @@ def test_colocated_pods_share_memory_backed_shm_and_pair_by_host() -> None:
     assert "sysctls" not in pod["securityContext"]
 
 
+COLOCATED_CUDA_IPC = {
+    "mode": "colocated",
+    "transfer": {"transport": "cuda_ipc"},
+    "engine": {"device": "cuda"},
+    "decode": {"gpus": 1, "resources": {"requests": {"cpu": "8", "memory": "64Gi"}}},
+}
+
+
+def test_colocated_cuda_ipc_runs_both_workers_in_one_container_on_one_gpu() -> None:
+    """The device plugin gives each container that requests nvidia.com/gpu its own
+    devices, so the pair runs as two processes of one container that requests the GPU."""
+    objects = render(COLOCATED_CUDA_IPC)
+    pod = named(objects, "Deployment", "baton-colocated")["spec"]["template"]["spec"]
+    (pair,) = pod["containers"]
+    assert pair["args"][0] == "pair"
+    flags = pair["args"][1:]
+    cut = flags.index("--")
+    assert flags[flags.index("--port") + 1] == "50052"  # the prefill worker's
+    assert flags[cut + 1 :][flags[cut + 1 :].index("--port") + 1] == "50053"  # decode's
+    gpus = [c["resources"].get("limits", {}).get("nvidia.com/gpu", 0) for c in pod["containers"]]
+    assert gpus == [1]
+    assert pair["resources"]["requests"] == {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": 1}
+    env = {e["name"] for e in pair["env"]}
+    assert {"BATON_PREFILL_ADVERTISE_HOST", "BATON_DECODE_ADVERTISE_HOST"} <= env
+    ports = {p["name"] for p in pair["ports"]}
+    assert ports == {"grpc-prefill", "grpc-decode", "metrics-prefill", "metrics-decode"}
+    assert pair["readinessProbe"]["grpc"] == {"port": 50053}
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in pair["volumeMounts"]
+    # The pod drains for the longer of the two workers.
+    assert pod["terminationGracePeriodSeconds"] == 5 + 60 + 10
+    # Each worker still has its named port on the Service the gateway resolves.
+    service = {p["name"] for p in named(objects, "Service", "baton-colocated")["spec"]["ports"]}
+    assert {"grpc-prefill", "grpc-decode"} <= service
+    data = named(objects, "ConfigMap", "baton-config")["data"]
+    assert data["BATON_PREFILL_TRANSPORT"] == data["BATON_DECODE_TRANSPORT"] == "cuda_ipc"
+    # shm keeps its two containers (no GPU to share).
+    shm = render({"mode": "colocated", "transfer": {"transport": "shm"}})
+    containers_shm = named(shm, "Deployment", "baton-colocated")["spec"]["template"]["spec"]
+    assert [c["name"] for c in containers_shm["containers"]] == ["prefill", "decode"]
+
+
+def test_colocated_cuda_ipc_refuses_a_gpu_for_prefill() -> None:
+    values = {**COLOCATED_CUDA_IPC, "prefill": {"gpus": 1}}
+    with pytest.raises(Exception, match=r"set prefill.gpus to 0, got 1"):
+        render(values)
+
+
 def test_model_from_a_volume_is_mounted_read_only_everywhere() -> None:
     objects = render({"model": {"source": "hostPath", "hostPath": "/srv/m", "name": "llama/"}})
     data = named(objects, "ConfigMap", "baton-config")["data"]

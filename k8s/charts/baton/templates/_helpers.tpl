@@ -42,8 +42,9 @@ app.kubernetes.io/component: {{ .component }}
 
 {{/*
 The workloads the mode renders, as a YAML list: name (object suffix and component label),
-block (the values block with replicas, autoscaling, pdb, placement) and containers (the
-roles it runs).
+block (the values block with replicas, autoscaling, pdb, placement), containers (the
+roles it runs) and pair (true: those roles run as two processes of one container, see
+baton.container's "pair").
 */}}
 {{- define "baton.workloads" -}}
 - {name: gateway, block: gateway, containers: [gateway]}
@@ -53,15 +54,16 @@ roles it runs).
 {{- else if eq .Values.mode "single" }}
 - {name: single, block: decode, containers: [single]}
 {{- else if eq .Values.mode "colocated" }}
-- {name: colocated, block: decode, containers: [prefill, decode]}
+- {name: colocated, block: decode, containers: [prefill, decode], pair: {{ eq .Values.transfer.transport "cuda_ipc" }}}
 {{- else }}
 {{- fail (printf "mode must be disaggregated, single or colocated, got %q" .Values.mode) }}
 {{- end }}
 {{- end }}
 
-{{/* The values block of a container role (single-process workers use decode's). */}}
+{{/* The values block of a container role (single-process workers and the co-located
+pair use decode's). */}}
 {{- define "baton.roleBlock" -}}
-{{- if eq . "single" }}decode{{ else }}{{ . }}{{ end }}
+{{- if has . (list "single" "pair") }}decode{{ else }}{{ . }}{{ end }}
 {{- end }}
 
 {{/* The BATON_<PREFIX>_ of a container role. */}}
@@ -143,7 +145,7 @@ KV needs the fleet's certificate, and workers that hand KV over the fleet secret
 {{- if $s.fleetTls.secretName }}
 - {name: fleet-tls, secretName: {{ $s.fleetTls.secretName | quote }}}
 {{- end }}
-{{- if and (has .role (list "prefill" "decode")) $s.fleetSecret.secretName }}
+{{- if and (has .role (list "prefill" "decode" "pair")) $s.fleetSecret.secretName }}
 - {name: fleet-secret, secretName: {{ $s.fleetSecret.secretName | quote }}}
 {{- end }}
 {{- end }}
@@ -217,68 +219,95 @@ grpc:
 {{- max $b.probes.liveness.failureThreshold $need }}
 {{- end }}
 
+{{/* The worker processes a container role runs (the pair: prefill, then decode). */}}
+{{- define "baton.processes" -}}
+{{- if eq . "pair" }}[prefill, decode]{{ else }}[{{ . }}]{{ end }}
+{{- end }}
+
 {{/*
 One container of a role; pass (dict "root" $ "role" ROLE). Flags that locate the process
 (host, ports, drain) are arguments; everything else comes from the ConfigMap as
 BATON_<ROLE>_* environment twins, plus the pod IP as the advertise host of workers.
+
+Role "pair" (co-located cuda_ipc) runs the prefill and the decode worker as two processes
+of this one container (baton-entrypoint pair PREFILL_FLAGS -- DECODE_FLAGS), so both use
+the one GPU it requests: CUDA IPC needs both on one device, and the NVIDIA device plugin
+gives every container that requests nvidia.com/gpu devices of its own (two containers
+asking for one each get two different GPUs; one that asks for none gets none). Its
+resources are decode's (size them for both processes); its probes check the decode
+worker (the gateway checks the prefill worker's health itself, and the entrypoint
+restarts the container when either process exits).
 */}}
 {{- define "baton.container" -}}
 {{- $root := .root }}
 {{- $role := .role }}
 {{- $block := index $root.Values (include "baton.roleBlock" $role) }}
-{{- $grpcName := include "baton.grpcPortName" $role -}}
+{{- $processes := include "baton.processes" $role | fromYamlArray -}}
 - name: {{ $role }}
   image: "{{ $root.Values.image.repository }}:{{ $root.Values.image.tag }}"
   imagePullPolicy: {{ $root.Values.image.pullPolicy }}
   args:
     - {{ $role }}
+    {{- range $i, $p := $processes }}
+    {{- $b := index $root.Values (include "baton.roleBlock" $p) }}
+    {{- if $i }}
+    - "--"
+    {{- end }}
     - --host
     - "0.0.0.0"
     - --port
-    - {{ $block.port | quote }}
+    - {{ $b.port | quote }}
     - --metrics-port
-    - {{ $block.metricsPort | quote }}
+    - {{ $b.metricsPort | quote }}
     - --grace-s
-    - {{ $block.graceS | quote }}
-    {{- if and (eq $role "gateway") $root.Values.http.enabled }}
+    - {{ $b.graceS | quote }}
+    {{- if and (eq $p "gateway") $root.Values.http.enabled }}
     - --http-port
     - {{ $root.Values.http.port | quote }}
+    {{- end }}
     {{- end }}
   env:
     {{- range include "baton.jitCacheEnv" . | fromYamlArray }}
     - name: {{ .name }}
       value: {{ .value | quote }}
     {{- end }}
-    {{- if ne $role "gateway" }}
-    - name: {{ include "baton.envPrefix" $role }}ADVERTISE_HOST
+    {{- range $p := $processes }}
+    {{- if ne $p "gateway" }}
+    - name: {{ include "baton.envPrefix" $p }}ADVERTISE_HOST
       valueFrom:
         fieldRef:
           fieldPath: status.podIP
     {{- end }}
-    {{- with $block.env }}
+    {{- end }}
+    {{- range $p := $processes }}
+    {{- with (index $root.Values (include "baton.roleBlock" $p)).env }}
     {{- toYaml . | nindent 4 }}
+    {{- end }}
     {{- end }}
   envFrom:
     - configMapRef:
         name: {{ include "baton.fullname" $root }}-config
   ports:
-    - name: {{ $grpcName }}
-      containerPort: {{ $block.port }}
+    {{- range $p := $processes }}
+    {{- $b := index $root.Values (include "baton.roleBlock" $p) }}
+    - name: {{ include "baton.grpcPortName" $p }}
+      containerPort: {{ $b.port }}
       protocol: TCP
-    {{- if and (eq $role "gateway") $root.Values.http.enabled }}
+    {{- if and (eq $p "gateway") $root.Values.http.enabled }}
     - name: http
       containerPort: {{ $root.Values.http.port }}
       protocol: TCP
     {{- end }}
-    {{- if $block.metricsPort }}
-    - name: {{ include "baton.metricsPortName" $role }}
-      containerPort: {{ $block.metricsPort }}
+    {{- if $b.metricsPort }}
+    - name: {{ include "baton.metricsPortName" $p }}
+      containerPort: {{ $b.metricsPort }}
       protocol: TCP
     {{- end }}
-    {{- if and (eq $role "decode") (include "baton.crossPodKV" $root) }}
+    {{- if and (eq $p "decode") (include "baton.crossPodKV" $root) }}
     - name: kv-store
       containerPort: {{ $root.Values.transfer.storePort }}
       protocol: TCP
+    {{- end }}
     {{- end }}
   {{- $probe := include "baton.probeHandler" (dict "root" $root "role" $role "block" $block) | trim }}
   startupProbe:
