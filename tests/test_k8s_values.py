@@ -18,6 +18,7 @@ from tests.k8s_manifests import (
     named,
     of_kind,
     render,
+    render_notes,
 )
 
 
@@ -107,9 +108,9 @@ def test_probes_use_grpc_health_and_outlast_the_drain() -> None:
 
 
 def test_gpus_become_nvidia_resources_only_where_asked() -> None:
-    d = deployments({"decode": {"gpus": 2}})
+    d = deployments({"decode": {"gpus": 1}})
     res = container_of(d["baton-decode"], "decode")["resources"]
-    assert res["limits"]["nvidia.com/gpu"] == 2 and res["requests"]["nvidia.com/gpu"] == 2
+    assert res["limits"]["nvidia.com/gpu"] == 1 and res["requests"]["nvidia.com/gpu"] == 1
     assert res["limits"]["memory"] == "4Gi"  # the block's own resources stay
     for role in ("gateway", "prefill"):
         assert "nvidia.com/gpu" not in str(container_of(d[f"baton-{role}"], role)["resources"])
@@ -472,11 +473,37 @@ def test_otlp_endpoint_reaches_all_three_services() -> None:
             {"http": {"enabled": False}, "security": {"gatewayTls": {"secretName": "pub"}}},
             "security.gatewayTls.serverName is required",
         ),
+        (
+            {"decode": {"gpus": 2}},
+            "decode.gpus is 2: a baton worker runs on one GPU, as the engine has no tensor "
+            "parallelism yet; set 0 or 1",
+        ),
+        ({"prefill": {"gpus": 8}}, "prefill.gpus is 8: .* no tensor parallelism"),
     ],
 )
 def test_bad_values_are_refused(values: dict[str, Any], error: str) -> None:
     with pytest.raises(Exception, match=error):
         render(values)
+
+
+def test_notes_say_how_to_publish_the_image_when_it_is_the_default() -> None:
+    notes = render_notes({})
+    assert notes.startswith("WARNING: image.repository is the chart's default")
+    assert "docker build -f k8s/Dockerfile -t <registry>/baton:0.1.0-cpu ." in notes
+    assert "docker push <registry>/baton:0.1.0-cpu" in notes
+    assert "--set image.repository=<registry>/baton" in notes
+    cuda = render_notes({"image": {"tag": "0.1.0-cuda"}})
+    assert "--build-arg VARIANT=cuda -t <registry>/baton:0.1.0-cuda" in cuda
+    own = render_notes({"image": {"repository": "registry.example.com/me/baton"}})
+    assert "WARNING" not in own and own.startswith("baton 0.1.0 is deploying")
+    # A CUDA fleet on the CPU image is said too.
+    gpu = {"engine": {"device": "cuda"}, "transfer": {"transport": "nccl"}}
+    wrong = render_notes({**gpu, "image": {"repository": "r.example/baton"}})
+    assert wrong.startswith("WARNING: the workers compute on CUDA but image.tag 0.1.0-cpu")
+    right = render_notes({**gpu, "image": {"repository": "r.example/baton", "tag": "0.1.0-cuda"}})
+    assert "WARNING" not in right
+    # Every role must load the same model: the NOTES say so and name it.
+    assert "Every worker loads the same model (smollm2-135m)" in own
 
 
 def test_every_value_key_is_commented_and_no_tag_is_latest() -> None:

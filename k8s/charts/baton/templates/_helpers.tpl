@@ -20,6 +20,9 @@ is rendered from these by templates/deployment.yaml.
 {{- end }}
 {{- end }}
 
+{{/* The image repository values.yaml names: a placeholder nothing publishes. */}}
+{{- define "baton.defaultRepository" -}}ghcr.io/baton-llm/baton{{- end }}
+
 {{/* Labels of every object; pass (dict "root" $ "component" NAME). */}}
 {{- define "baton.labels" -}}
 helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace "+" "_" }}
