@@ -5,6 +5,8 @@
 #   prefill  python -m prefill_service
 #   decode   python -m decode_service
 #   single   python -m decode_service --single-process (prefill and decode in one engine)
+#   fetch-model  python -m engine.model_fetch (the init step of model.source hf: download
+#            a Hugging Face model once into a volume)
 #   pair     PREFILL_FLAGS... -- DECODE_FLAGS...: python -m prefill_service and python -m
 #            decode_service side by side in this one container, so they share its GPU
 #            (co-located cuda_ipc: CUDA IPC needs both processes on one device, and the
@@ -91,8 +93,9 @@ case "$role" in
   decode) exec python -m decode_service "$@" ;;
   single) exec python -m decode_service --single-process "$@" ;;
   pair) run_pair "$@" ;;
+  fetch-model) exec python -m engine.model_fetch "$@" ;;
   *)
-    echo "usage: baton-entrypoint gateway|prefill|decode|single|pair [FLAGS...] (got '$role')" >&2
+    echo "usage: baton-entrypoint gateway|prefill|decode|single|pair|fetch-model [FLAGS...] (got '$role')" >&2
     exit 2
     ;;
 esac

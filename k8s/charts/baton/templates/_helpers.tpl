@@ -101,10 +101,89 @@ change keeps it right).
 dns:///{{ include "baton.fullname" .root }}-{{ .name }}:{{ .port }}
 {{- end }}
 
+{{/*
+model.source hf: the directory the init step fetches into (the repo and revision, each a
+path segment), and the checkpoint directory in it that every service loads (named for the
+repo, so the gateway serves it under that name); see engine/model_fetch.py.
+*/}}
+{{- define "baton.hfDest" -}}
+{{- $m := .Values.model }}
+{{- if not (regexMatch "^[A-Za-z0-9][-_.A-Za-z0-9]*/[-_.A-Za-z0-9]+$" $m.name) }}
+{{- fail (printf "model.name must be ORG/NAME (a Hugging Face repo) when model.source is hf, got %q" $m.name) }}
+{{- end }}
+{{- printf "%s/%s/%s" (trimSuffix "/" $m.mountPath) (replace "/" "--" $m.name) (replace "/" "--" $m.revision) }}
+{{- end }}
+{{- define "baton.hfCheckpoint" -}}
+{{- printf "%s/%s" (include "baton.hfDest" .) (regexReplaceAll "^.*/" .Values.model.name "") }}
+{{- end }}
+
+{{/*
+The init container of model.source hf, in every pod; pass (dict "root" $ "block" BLOCK
+"tokenizerOnly" BOOL). It downloads the model into the model volume (writable here only)
+before the services start; the gateway's skips the weights of a safetensors repo. It runs
+with the pod block's resources (a GGUF conversion holds the model in memory), no GPU.
+*/}}
+{{- define "baton.fetchInit" -}}
+{{- $root := .root }}
+{{- $m := $root.Values.model -}}
+- name: fetch-model
+  image: "{{ $root.Values.image.repository }}:{{ $root.Values.image.tag }}"
+  imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+  args:
+    - fetch-model
+    - --repo
+    - {{ $m.name | quote }}
+    - --revision
+    - {{ $m.revision | quote }}
+    - --dest
+    - {{ include "baton.hfDest" $root | quote }}
+    {{- if $m.ggufFile }}
+    - --gguf-file
+    - {{ $m.ggufFile | quote }}
+    {{- else if .tokenizerOnly }}
+    - --tokenizer-only
+    - "true"
+    {{- end }}
+    {{- if $m.hf.tokenSecret }}
+    - --token-file
+    - {{ printf "%s/%s" (include "baton.secretDir" "hf-token") $m.hf.tokenKey | quote }}
+    {{- end }}
+  env:
+    {{- range include "baton.jitCacheEnv" . | fromYamlArray }}
+    - name: {{ .name }}
+      value: {{ .value | quote }}
+    {{- end }}
+    - name: HF_HUB_DISABLE_TELEMETRY
+      value: "1"
+    {{- if $m.hf.endpoint }}
+    - name: HF_ENDPOINT
+      value: {{ $m.hf.endpoint | quote }}
+    {{- end }}
+  resources:
+    {{- $resources := deepCopy (default dict .block.resources) }}
+    {{- toYaml $resources | nindent 4 }}
+  securityContext:
+    {{- toYaml $root.Values.containerSecurityContext | nindent 4 }}
+  volumeMounts:
+    - name: cache
+      mountPath: {{ include "baton.cacheHome" . }}
+    - name: tmp
+      mountPath: /tmp
+    - name: model
+      mountPath: {{ $m.mountPath }}
+    {{- if $m.hf.tokenSecret }}
+    - name: hf-token
+      mountPath: {{ include "baton.secretDir" "hf-token" }}
+      readOnly: true
+    {{- end }}
+{{- end }}
+
 {{/* Where the model is, as every service's --model sees it. */}}
 {{- define "baton.modelPath" -}}
 {{- if eq .Values.model.source "image" }}
 {{- .Values.model.name }}
+{{- else if eq .Values.model.source "hf" }}
+{{- include "baton.hfCheckpoint" . }}
 {{- else if .Values.model.name }}
 {{- printf "%s/%s" (trimSuffix "/" .Values.model.mountPath) (trimPrefix "/" .Values.model.name) }}
 {{- else }}
