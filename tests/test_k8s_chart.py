@@ -60,6 +60,24 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "engine": {"device": "cuda"},
         "model": {"source": "pvc", "claimName": "weights", "name": "llama"},
     },
+    "hf-pvc-cache-colocated": {
+        "mode": "colocated",
+        "transfer": {"transport": "shm"},
+        "model": {
+            "source": "hf",
+            "name": "HuggingFaceTB/SmolLM2-135M-Instruct",
+            "revision": "12fd25f77366fa6b3b4b768ec3050bf629380bac",
+            "hf": {"tokenSecret": "hf-token", "cache": "pvc", "cacheClaimName": "models"},
+        },
+    },
+    "hf-gguf-hostpath-cache": {
+        "model": {
+            "source": "hf",
+            "name": "bartowski/SmolLM2-135M-Instruct-GGUF",
+            "ggufFile": "SmolLM2-135M-Instruct-Q8_0.gguf",
+            "hf": {"endpoint": "https://hf-mirror.example.com", "cache": "hostPath"},
+        },
+    },
     "all-autoscaled-keda": {
         "autoscaling": {"provider": "keda"},
         "gateway": {"autoscaling": {"enabled": True, "metric": "cpu", "target": 70}},
