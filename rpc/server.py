@@ -5,10 +5,12 @@ plus what a model server needs around it::
 
     start:  server with ErrorInterceptor (+ spec.interceptors, e.g. API keys) -> register
             servicers -> health (NOT_SERVING) -> reflection (v1 + v1alpha; if
-            spec.reflection) -> bind (TLS with spec.credentials) -> start -> port file ->
-            await spec.ready() -> health SERVING, calls admitted
-    stop:   health NOT_SERVING -> new calls refused with UNAVAILABLE -> in-flight calls
-            drain for up to spec.grace_s -> server.stop() cancels what is left
+            spec.reflection) -> bind (TLS with spec.credentials) -> start -> health of
+            ALIVE_SERVICE SERVING -> port file -> await spec.ready() -> health SERVING,
+            calls admitted
+    stop:   health NOT_SERVING (ALIVE_SERVICE too) -> new calls refused with UNAVAILABLE
+            -> in-flight calls drain for up to spec.grace_s -> server.stop() cancels what
+            is left
 
 Until ``ready`` returns, and from the moment stopping begins, every call other than
 health and reflection is refused with UNAVAILABLE, so a caller can retry elsewhere. So
@@ -51,6 +53,10 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # Calls to these are always admitted and never counted as in flight: probes must work
 # while the server starts and drains, and a health Watch stream never ends by itself.
 _INFRA_PREFIXES = tuple(f"/{name}/" for name in (health.SERVICE_NAME, *REFLECTION_SERVICES))
+# A health entry SERVING from the moment the server listens until it starts draining,
+# whether or not it is ready: what a startup or liveness probe asks when the process must
+# count as started while it waits on others (the gateway on its decode workers).
+ALIVE_SERVICE = "baton.alive"
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +207,7 @@ class RpcServer:
         if port == 0:
             raise OSError(f"{spec.name}: could not bind {address}")
         await server.start()
+        await self.health_servicer.set(ALIVE_SERVICE, SERVING)
         self._server, self.port = server, port
         logger.info(
             "%s listening on %s:%d (%s)",

@@ -97,13 +97,20 @@ class Pod:
 
     def ready(self) -> bool:
         """One run of the rendered readiness probe: True when it passes."""
-        probe = self.container.spec["readinessProbe"]
+        return self.probe("readinessProbe")
+
+    def probe(self, kind: str) -> bool:
+        """One run of the rendered ``kind`` probe (``startupProbe``, ``readinessProbe``,
+        ``livenessProbe``): True when it passes within its timeoutSeconds."""
+        probe = self.container.spec[kind]
+        timeout = float(probe.get("timeoutSeconds", 1))
         if "grpc" in probe:
             address = f"{self.ip}:{self.ports[probe['grpc']['port']]}"
+            service = probe["grpc"].get("service", "")
             with grpc.insecure_channel(address) as channel:
                 try:
                     reply = health_pb2_grpc.HealthStub(channel).Check(
-                        health_pb2.HealthCheckRequest(), timeout=1.0
+                        health_pb2.HealthCheckRequest(service=service), timeout=timeout
                     )
                 except grpc.RpcError:
                     return False
@@ -124,7 +131,7 @@ class Pod:
         url = f"{scheme}://{self.ip}:{self.port(get['port'])}{get['path']}"
         unverified = ssl._create_unverified_context()  # the kubelet does not verify either
         try:
-            with urllib.request.urlopen(url, timeout=2, context=unverified) as reply:
+            with urllib.request.urlopen(url, timeout=timeout, context=unverified) as reply:
                 return reply.status == 200
         except (urllib.error.URLError, OSError):
             return False

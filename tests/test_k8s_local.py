@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -255,3 +256,32 @@ async def test_rendered_security_serves_tls_and_api_keys_with_mtls_in_the_fleet(
         assert models({"Authorization": f"Bearer {API_KEY}"}) == 200
         moved = scrape(decode.address("metrics-decode"))
         assert moved[("baton_kv_transfer_bytes_total", (("role", "decode"),))] > 0
+
+
+def test_rendered_gateway_starts_before_any_worker_and_is_ready_once_one_is(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """The gateway's startup and liveness probes pass once its server listens, so its pod
+    starts (and is not restarted) while no decode worker exists; its readiness probe
+    passes only once a decode worker answers."""
+    objects = render({**values_for(tiny_llama), "mode": "single"})
+    by_deployment = {c.deployment: c for c in containers(objects)}
+    data = named(objects, "ConfigMap", "baton-config")["data"]
+    with LocalPods(tmp_path) as pods:
+        pods.publish_dns({})  # no worker pod is ready yet
+        gateway = pods.start("gateway-0", by_deployment["baton-gateway"], objects)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not gateway.probe("startupProbe"):
+            assert gateway.popen.poll() is None, gateway.log_tail()
+            assert time.monotonic() < deadline, gateway.log_tail()
+            time.sleep(0.1)
+        assert gateway.probe("livenessProbe")
+        assert not gateway.ready()
+        worker = pods.start("single-0", by_deployment["baton-single"], objects)
+        pods.wait_ready(worker, START_TIMEOUT_S)
+        assert not gateway.ready()  # not in the DNS answer yet
+        pods.publish_dns(
+            {data["BATON_GATEWAY_DECODE"].removeprefix("dns:///"): [worker.address("grpc-decode")]}
+        )
+        pods.wait_ready(gateway, START_TIMEOUT_S)
+        assert gateway.probe("livenessProbe") and gateway.probe("startupProbe")

@@ -107,6 +107,34 @@ def test_probes_use_grpc_health_and_outlast_the_drain() -> None:
     assert "--grace-s" in c["args"] and c["args"][c["args"].index("--grace-s") + 1] == "120"
 
 
+def test_the_gateway_starts_without_the_fleet_and_probes_ride_out_a_slow_answer() -> None:
+    d = deployments({})
+    gateway = container_of(d["baton-gateway"], "gateway")
+    # Startup and liveness ask whether the server listens; readiness whether it serves.
+    assert gateway["startupProbe"]["grpc"] == {"port": 50051, "service": "baton.alive"}
+    assert gateway["livenessProbe"]["grpc"] == {"port": 50051, "service": "baton.alive"}
+    assert gateway["readinessProbe"]["grpc"] == {"port": 50051}
+    for name in ("baton-gateway", "baton-prefill", "baton-decode"):
+        role = name.removeprefix("baton-")
+        c = container_of(d[name], role)
+        readiness = c["readinessProbe"]
+        # One slow or missed answer on a loaded pod does not take it out of rotation.
+        assert readiness["failureThreshold"] >= 3 and readiness["timeoutSeconds"] >= 5
+        assert all(c[k]["timeoutSeconds"] >= 5 for k in ("startupProbe", "livenessProbe"))
+    tls = deployments(
+        {
+            "http": {"enabled": False},
+            "security": {"gatewayTls": {"secretName": "pub", "serverName": "llm.example.com"}},
+        }
+    )
+    gateway = container_of(tls["baton-gateway"], "gateway")
+    assert gateway["startupProbe"]["exec"]["command"][-4:-2] == ["--service", "baton.alive"]
+    assert "--service" not in gateway["readinessProbe"]["exec"]["command"]
+    https = container_of(deployments(SECURED)["baton-gateway"], "gateway")
+    assert https["startupProbe"]["httpGet"]["path"] == "/alive"
+    assert https["readinessProbe"]["httpGet"]["path"] == "/health"
+
+
 def test_gpus_become_nvidia_resources_only_where_asked() -> None:
     d = deployments({"decode": {"gpus": 1}})
     res = container_of(d["baton-decode"], "decode")["resources"]

@@ -236,7 +236,10 @@ KV needs the fleet's certificate, and workers that hand KV over the fleet secret
 {{- define "baton.secretDir" -}}/etc/baton/{{ . }}{{- end }}
 
 {{/*
-The handler of a container's probes; pass (dict "root" $ "role" ROLE "block" BLOCK).
+The handler of a container's probes; pass (dict "root" $ "role" ROLE "block" BLOCK
+"alive" BOOL). alive: the check passes once the server listens, ready or not (health
+service baton.alive, HTTP /alive), for the gateway's startup and liveness probes, so a
+gateway waiting for its decode workers starts and is not restarted.
 Kubernetes' native gRPC probe dials plaintext, so a TLS port gets another one: python -m
 rpc.probe (a grpc.health.v1 Check over TLS, with the fleet's certificate for mTLS
 workers), or for a TLS gateway with HTTP on an HTTPS GET of /health (200 only while
@@ -248,7 +251,7 @@ SERVING, like the gRPC health).
 {{- if and (eq .role "gateway") $s.gatewayTls.secretName }}
 {{- if .root.Values.http.enabled }}
 httpGet:
-  path: /health
+  path: {{ ternary "/alive" "/health" (default false .alive) }}
   port: http
   scheme: HTTPS
 {{- else }}
@@ -263,10 +266,12 @@ exec:
     - {{ printf "%s/%s" (include "baton.secretDir" "gateway-tls") $s.gatewayTls.caKey | quote }}
     - --tls-server-name
     - {{ required "security.gatewayTls.serverName is required: the gateway's exec probe checks its certificate against it (or turn http on for HTTPS /health probes)" $s.gatewayTls.serverName | quote }}
+    {{- if .alive }}
+    - --service
+    - baton.alive
+    {{- end }}
     - --timeout-s
     - "5"
-# An exec probe starts a Python process: give it more than the 1 s default.
-timeoutSeconds: 10
 {{- end }}
 {{- else if and (ne .role "gateway") $s.fleetTls.secretName }}
 {{- $dir := include "baton.secretDir" "fleet-tls" }}
@@ -287,10 +292,12 @@ exec:
     - {{ $s.fleetTls.serverName | quote }}
     - --timeout-s
     - "5"
-timeoutSeconds: 10
 {{- else }}
 grpc:
   port: {{ .block.port }}
+  {{- if .alive }}
+  service: baton.alive
+  {{- end }}
 {{- end }}
 {{- end }}
 
@@ -392,18 +399,24 @@ restarts the container when either process exits).
     {{- end }}
     {{- end }}
   {{- $probe := include "baton.probeHandler" (dict "root" $root "role" $role "block" $block) | trim }}
+  {{- $alive := include "baton.probeHandler" (dict "root" $root "role" $role "block" $block "alive" (eq $role "gateway")) | trim }}
+  {{- /* An exec probe starts a Python process: give it at least 10 s. */}}
+  {{- $least := ternary 10 1 (hasPrefix "exec:" $probe) }}
   startupProbe:
-    {{- $probe | nindent 4 }}
+    {{- $alive | nindent 4 }}
     periodSeconds: {{ $block.probes.startup.periodSeconds }}
     failureThreshold: {{ $block.probes.startup.failureThreshold }}
+    timeoutSeconds: {{ max $least (default 1 $block.probes.startup.timeoutSeconds) }}
   readinessProbe:
     {{- $probe | nindent 4 }}
     periodSeconds: {{ $block.probes.readiness.periodSeconds }}
     failureThreshold: {{ $block.probes.readiness.failureThreshold }}
+    timeoutSeconds: {{ max $least (default 1 $block.probes.readiness.timeoutSeconds) }}
   livenessProbe:
-    {{- $probe | nindent 4 }}
+    {{- $alive | nindent 4 }}
     periodSeconds: {{ $block.probes.liveness.periodSeconds }}
     failureThreshold: {{ include "baton.livenessFailures" (dict "block" $block) }}
+    timeoutSeconds: {{ max $least (default 1 $block.probes.liveness.timeoutSeconds) }}
   lifecycle:
     preStop:
       sleep:
