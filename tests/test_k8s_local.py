@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -285,3 +286,61 @@ def test_rendered_gateway_starts_before_any_worker_and_is_ready_once_one_is(
         )
         pods.wait_ready(gateway, START_TIMEOUT_S)
         assert gateway.probe("livenessProbe") and gateway.probe("startupProbe")
+
+
+def test_a_worker_in_a_long_prefill_answers_its_rendered_probes_in_time(tmp_path: Path) -> None:
+    """Health is answered from the server's own state, never by the engine thread: while a
+    rendered single-process pod computes one long prefill step, every run of its rendered
+    readiness and liveness probes passes within the probe's timeoutSeconds."""
+    from protos.baton.v1 import worker_pb2, worker_pb2_grpc
+    from tests.factories import make_tiny_model_dir
+
+    wide = make_tiny_model_dir(
+        tmp_path / "wide",
+        hidden_size=512,
+        intermediate_size=2048,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        head_dim=64,
+        max_position_embeddings=4096,
+    )
+    values = values_for(wide)
+    values["mode"] = "single"
+    values["engine"] = {**values["engine"], "maxNumBatchedTokens": 4096, "numBlocks": 300}
+    objects = render(values)
+    (single,) = [c for c in containers(objects) if c.deployment == "baton-single"]
+    with LocalPods(tmp_path / "pods") as pods:
+        worker = pods.start("single-0", single, objects)
+        pods.wait_ready(worker, START_TIMEOUT_S)
+        request = worker_pb2.DecodeRequest(
+            request_id="long-prefill",
+            prompt_token_ids=[100 + i % 1000 for i in range(4000)],
+            sampling_params=common_pb2.SamplingParameters(max_tokens=1, temperature=0),
+        )
+        answered: list[float] = []
+
+        def prefill() -> None:
+            with grpc.insecure_channel(worker.address("grpc-decode")) as channel:
+                began = time.monotonic()
+                replies = list(
+                    worker_pb2_grpc.DecodeWorkerStub(channel).Decode(request, timeout=300)
+                )
+                answered.append(time.monotonic() - began)
+                assert replies[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+        thread = threading.Thread(target=prefill)
+        thread.start()
+        probes: list[tuple[str, bool, float]] = []
+        while thread.is_alive():
+            for kind in ("readinessProbe", "livenessProbe"):
+                began = time.monotonic()
+                passed = worker.probe(kind)
+                probes.append((kind, passed, time.monotonic() - began))
+            time.sleep(0.2)
+        thread.join()
+    assert answered and answered[0] > 2.0, f"the prefill took {answered}: not long enough"
+    assert len(probes) >= 4, probes
+    timeout = single.spec["readinessProbe"]["timeoutSeconds"]
+    assert all(passed for _, passed, _ in probes), probes
+    assert max(seconds for _, _, seconds in probes) < timeout, probes
