@@ -135,6 +135,34 @@ def test_the_gateway_starts_without_the_fleet_and_probes_ride_out_a_slow_answer(
     assert https["readinessProbe"]["httpGet"]["path"] == "/health"
 
 
+def test_kube_version_rollout_deadline_and_pre_stop_agree() -> None:
+    """Chart.yaml admits exactly the versions the objects are validated against (the
+    oldest, tests/k8s_schemas.py), where the preStop sleep action is on by default
+    (1.30); a zero sleep (1.33) is never rendered; a rollout is not declared stalled
+    before its pods' startup probes could have passed."""
+    import yaml
+
+    from tests.k8s_schemas import OLDEST_KUBE_VERSION
+
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["kubeVersion"] == f">={OLDEST_KUBE_VERSION}-0"
+    assert tuple(int(x) for x in OLDEST_KUBE_VERSION.split(".")[:2]) >= (1, 30)
+    d = deployments({"decode": {"preStopSleepS": 0}, "prefill": {"preStopSleepS": 3}})
+    assert "lifecycle" not in container_of(d["baton-decode"], "decode")
+    assert container_of(d["baton-prefill"], "prefill")["lifecycle"]["preStop"] == {
+        "sleep": {"seconds": 3}
+    }
+    slow = deployments(
+        {"decode": {"probes": {"startup": {"periodSeconds": 10, "failureThreshold": 180}}}}
+    )
+    for deploy in (*d.values(), *slow.values()):
+        spec = deploy["spec"]
+        c = spec["template"]["spec"]["containers"][0]
+        bound = c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"]
+        assert spec["progressDeadlineSeconds"] > bound, deploy["metadata"]["name"]
+    assert slow["baton-decode"]["spec"]["progressDeadlineSeconds"] == 1800 + 600
+
+
 def test_gpus_become_nvidia_resources_only_where_asked() -> None:
     d = deployments({"decode": {"gpus": 1}})
     res = container_of(d["baton-decode"], "decode")["resources"]

@@ -417,10 +417,12 @@ restarts the container when either process exits).
     periodSeconds: {{ $block.probes.liveness.periodSeconds }}
     failureThreshold: {{ include "baton.livenessFailures" (dict "block" $block) }}
     timeoutSeconds: {{ max $least (default 1 $block.probes.liveness.timeoutSeconds) }}
+  {{- if $block.preStopSleepS }}
   lifecycle:
     preStop:
       sleep:
         seconds: {{ $block.preStopSleepS }}
+  {{- end }}
   resources:
     {{- $resources := deepCopy (default dict $block.resources) }}
     {{- if $block.gpus }}
