@@ -53,7 +53,10 @@ def test_each_role_has_its_own_replicas_and_autoscaler() -> None:
         {
             "type": "Pods",
             "pods": {
-                "metric": {"name": "baton_queued_prompt_tokens"},
+                "metric": {
+                    "name": "baton_queued_prompt_tokens",
+                    "selector": {"matchLabels": {"role": "prefill"}},
+                },
                 "target": {"type": "AverageValue", "averageValue": "1000"},
             },
         }
@@ -90,8 +93,35 @@ def test_cpu_signal_and_keda_switch() -> None:
     trigger = so["spec"]["triggers"][0]
     assert trigger["type"] == "prometheus" and trigger["metadata"]["threshold"] == "4096"
     assert trigger["metadata"]["query"] == (
-        'sum(baton_queued_prompt_tokens{namespace="llm",pod=~"baton-prefill-.*"})'
+        'sum(baton_queued_prompt_tokens{namespace="llm",pod=~"baton-prefill-.*",role="prefill"})'
     )
+
+
+def test_colocated_pods_scale_on_their_decode_workers_series_not_the_sum() -> None:
+    """Both workers of a co-located pod export baton_kv_cache_usage_ratio (role prefill
+    and decode): the autoscaler reads the decode worker's alone."""
+    colocated = {
+        "mode": "colocated",
+        "transfer": {"transport": "shm"},
+        "decode": {"autoscaling": {"enabled": True}},
+    }
+    (hpa,) = of_kind(render(colocated), "HorizontalPodAutoscaler")
+    assert hpa["spec"]["metrics"][0]["pods"]["metric"] == {
+        "name": "baton_kv_cache_usage_ratio",
+        "selector": {"matchLabels": {"role": "decode"}},
+    }
+    (so,) = of_kind(render({**colocated, "autoscaling": {"provider": "keda"}}), "ScaledObject")
+    assert so["spec"]["triggers"][0]["metadata"]["query"] == (
+        'sum(baton_kv_cache_usage_ratio{namespace="llm",pod=~"baton-colocated-.*",role="decode"})'
+    )
+    single = render({"mode": "single", "decode": {"autoscaling": {"enabled": True}}})
+    (hpa,) = of_kind(single, "HorizontalPodAutoscaler")
+    assert hpa["spec"]["metrics"][0]["pods"]["metric"]["selector"] == {
+        "matchLabels": {"role": "both"}  # what a single-process worker labels its series
+    }
+    gateway = render({"gateway": {"autoscaling": {"enabled": True}}})
+    (hpa,) = of_kind(gateway, "HorizontalPodAutoscaler")
+    assert "selector" not in hpa["spec"]["metrics"][0]["pods"]["metric"]
 
 
 def test_probes_use_grpc_health_and_outlast_the_drain() -> None:

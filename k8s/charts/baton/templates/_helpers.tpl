@@ -63,6 +63,16 @@ baton.container's "pair").
 {{- end }}
 {{- end }}
 
+{{/*
+The `role` label of the worker series a workload scales on: a co-located pod exports the
+series of both its workers, and the autoscaler must read one (the decode worker's, whose
+block it takes), not their sum; single-process workers label theirs "both"; "" for the
+gateway (its series carry no role).
+*/}}
+{{- define "baton.metricRole" -}}
+{{- if eq . "colocated" }}decode{{ else if eq . "single" }}both{{ else if ne . "gateway" }}{{ . }}{{ end }}
+{{- end }}
+
 {{/* The values block of a container role (single-process workers and the co-located
 pair use decode's). */}}
 {{- define "baton.roleBlock" -}}
