@@ -193,6 +193,42 @@ def test_kube_version_rollout_deadline_and_pre_stop_agree() -> None:
     assert slow["baton-decode"]["spec"]["progressDeadlineSeconds"] == 1800 + 600
 
 
+def test_gpu_pods_get_shared_memory_runtime_and_priority_classes_and_nccl_settings() -> None:
+    objects = render(
+        {
+            "engine": {"device": "cuda"},
+            "transfer": {
+                "transport": "nccl",
+                "shmSizeLimit": "8Gi",
+                "nccl": {"SOCKET_IFNAME": "eth0", "IB_DISABLE": 1},
+            },
+            "prefill": {"gpus": 1, "runtimeClassName": "nvidia"},
+            "decode": {"gpus": 1, "runtimeClassName": "nvidia", "priorityClassName": "llm"},
+        }
+    )
+    for name in ("baton-prefill", "baton-decode"):
+        pod = named(objects, "Deployment", name)["spec"]["template"]["spec"]
+        (dshm,) = [v for v in pod["volumes"] if v["name"] == "dshm"]
+        assert dshm["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in pod["containers"][0]["volumeMounts"]
+        assert pod["runtimeClassName"] == "nvidia"
+    decode = named(objects, "Deployment", "baton-decode")["spec"]["template"]["spec"]
+    assert decode["priorityClassName"] == "llm"
+    gateway = named(objects, "Deployment", "baton-gateway")["spec"]["template"]["spec"]
+    assert "dshm" not in str(gateway) and "runtimeClassName" not in gateway
+    data = named(objects, "ConfigMap", "baton-config")["data"]
+    assert {k: v for k, v in data.items() if k.startswith("NCCL_")} == {
+        "NCCL_SOCKET_IFNAME": "eth0",
+        "NCCL_IB_DISABLE": "1",
+    }
+    # CPU pods get none of it; NCCL settings only reach an nccl fleet.
+    cpu = render({"transfer": {"nccl": {"DEBUG": "WARN"}}})
+    assert "dshm" not in str(of_kind(cpu, "Deployment"))
+    assert not [k for k in named(cpu, "ConfigMap", "baton-config")["data"] if "NCCL" in k]
+    with pytest.raises(Exception, match="SOCKET-IFNAME|does not match"):
+        render({"transfer": {"transport": "nccl", "nccl": {"SOCKET-IFNAME": "eth0"}}})
+
+
 def test_gpus_become_nvidia_resources_only_where_asked() -> None:
     d = deployments({"decode": {"gpus": 1}})
     res = container_of(d["baton-decode"], "decode")["resources"]

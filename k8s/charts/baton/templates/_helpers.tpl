@@ -73,6 +73,17 @@ gateway (its series carry no role).
 {{- if eq . "colocated" }}decode{{ else if eq . "single" }}both{{ else if ne . "gateway" }}{{ . }}{{ end }}
 {{- end }}
 
+{{/*
+True when a pod gets a memory-backed /dev/shm (volume dshm): co-located pods (decode's KV
+pool lives there) and GPU pods (NCCL and torch use it). Pass (dict "root" $ "block"
+NAME), the values block of the workload (or of the container's role: the same block
+outside co-located pods); never the gateway's (it computes nothing).
+*/}}
+{{- define "baton.sharedMemory" -}}
+{{- $v := .root.Values }}
+{{- if and (ne .block "gateway") (or (eq $v.mode "colocated") (gt (int (index $v .block).gpus) 0)) }}true{{ end }}
+{{- end }}
+
 {{/* The values block of a container role (single-process workers and the co-located
 pair use decode's). */}}
 {{- define "baton.roleBlock" -}}
@@ -456,7 +467,7 @@ restarts the container when either process exits).
       mountPath: {{ $root.Values.model.mountPath }}
       readOnly: true
     {{- end }}
-    {{- if and (eq $root.Values.mode "colocated") (ne $role "gateway") }}
+    {{- if include "baton.sharedMemory" (dict "root" $root "block" (include "baton.roleBlock" $role)) }}
     - name: dshm
       mountPath: /dev/shm
     {{- end }}
