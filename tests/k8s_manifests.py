@@ -108,9 +108,8 @@ def example_values(name: str) -> dict[str, Any]:
     return yaml.safe_load((EXAMPLES / f"{name}.yaml").read_text()) or {}
 
 
-def kustomize_base_text() -> str:
-    """The kustomize base: the chart rendered with base-values.yaml, Helm labels dropped,
-    no namespace (the overlay or ``kubectl -n`` gives one)."""
+def _kustomize_base_objects() -> list[dict[str, Any]]:
+    """The chart rendered with base-values.yaml, Helm-only labels dropped."""
     values = yaml.safe_load(KUSTOMIZE_BASE_VALUES.read_text())
     objects = render(values, release="baton", namespace="default")
     for obj in objects:
@@ -118,12 +117,47 @@ def kustomize_base_text() -> str:
             labels = meta.get("labels", {})
             for key in _HELM_ONLY_LABELS:
                 labels.pop(key, None)
+    return objects
+
+
+def kustomize_base_text() -> str:
+    """The kustomize base's resources: the chart rendered with base-values.yaml, Helm
+    labels dropped, no namespace (the overlay or ``kubectl -n`` gives one), and neither
+    the ConfigMap nor the pods' checksum of it: kustomize generates the ConfigMap from
+    config.env (kustomize_base_config_env) with a content hash in its name, so an overlay
+    that patches a setting renames it, and the pods that load it roll."""
+    objects = []
+    for obj in _kustomize_base_objects():
+        if obj["kind"] == "ConfigMap":
+            continue
+        template = obj.get("spec", {}).get("template")
+        if isinstance(template, dict):
+            template.get("metadata", {}).get("annotations", {}).pop("checksum/config", None)
+        objects.append(obj)
     header = (
         "# Generated from k8s/charts/baton with k8s/kustomize/base-values.yaml; do not edit.\n"
         "# Regenerate: BATON_UPDATE_GOLDEN=1 pytest tests/test_k8s_chart.py -k golden\n"
     )
     body = "---\n".join(yaml.safe_dump(o, sort_keys=False, width=1000) for o in objects)
     return header + body
+
+
+def kustomize_base_config() -> dict[str, Any]:
+    """The chart's ConfigMap as the base renders it (what the generator must rebuild)."""
+    (config,) = [o for o in _kustomize_base_objects() if o["kind"] == "ConfigMap"]
+    return config
+
+
+def kustomize_base_config_env() -> str:
+    """The base's settings as the env file its configMapGenerator reads (KEY=VALUE)."""
+    data = kustomize_base_config()["data"]
+    for key, value in data.items():
+        assert "\n" not in str(value), f"{key}: a multi-line value cannot go in an env file"
+    header = (
+        "# Generated from k8s/charts/baton with k8s/kustomize/base-values.yaml; do not edit.\n"
+        "# Regenerate: BATON_UPDATE_GOLDEN=1 pytest tests/test_k8s_chart.py -k golden\n"
+    )
+    return header + "".join(f"{key}={value}\n" for key, value in data.items())
 
 
 def _metadatas(obj: dict[str, Any]) -> Iterator[dict[str, Any]]:
@@ -140,6 +174,7 @@ def golden_files() -> dict[Path, str]:
         for p in sorted(EXAMPLES.glob("*.yaml"))
     }
     files[KUSTOMIZE / "base" / "baton.yaml"] = kustomize_base_text()
+    files[KUSTOMIZE / "base" / "config.env"] = kustomize_base_config_env()
     return files
 
 

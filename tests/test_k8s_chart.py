@@ -189,6 +189,35 @@ def test_golden_renders_and_kustomize_base_have_not_drifted() -> None:
     )
 
 
+def test_kustomize_configmap_is_the_charts_and_a_patched_setting_rolls_the_pods(overlays) -> None:  # noqa: ANN001
+    """The base generates the chart's ConfigMap (data and labels) with a content hash in
+    its name; an overlay that patches a setting gets another name, and every Deployment
+    loads that one, so a config-only change rolls the pods."""
+    chart = k8s_manifests.kustomize_base_config()
+
+    def config_of(objects: list[dict[str, Any]]) -> dict[str, Any]:
+        (config,) = of_kind(objects, "ConfigMap")
+        return config
+
+    base = config_of(overlays["base"])
+    assert base["data"] == chart["data"]
+    want_labels = {**chart["metadata"]["labels"], "app.kubernetes.io/managed-by": "kustomize"}
+    assert base["metadata"]["labels"] == want_labels
+    assert re.fullmatch(r"baton-config-[a-z0-9]{10}", base["metadata"]["name"])
+    names = {name: config_of(objects)["metadata"]["name"] for name, objects in overlays.items()}
+    assert len(set(names.values())) == len(names), names  # each overlay patches settings
+    for name, objects in overlays.items():
+        for deploy in of_kind(objects, "Deployment"):
+            refs = {
+                source["configMapRef"]["name"]
+                for c in deploy["spec"]["template"]["spec"]["containers"]
+                for source in c["envFrom"]
+            }
+            assert refs == {names[name]}, f"{name}: {deploy['metadata']['name']} loads {refs}"
+            annotations = deploy["spec"]["template"]["metadata"].get("annotations", {})
+            assert "checksum/config" not in annotations  # the name does the rolling
+
+
 def test_helm_lint_is_clean() -> None:
     import helm_python as helm
 
