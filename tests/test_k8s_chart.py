@@ -218,6 +218,20 @@ def test_kustomize_configmap_is_the_charts_and_a_patched_setting_rolls_the_pods(
             assert "checksum/config" not in annotations  # the name does the rolling
 
 
+def test_the_gpu_overlay_serves_a_checkpoint_from_a_claim_with_shared_memory(overlays) -> None:  # noqa: ANN001
+    objects = overlays["gpu"]
+    (config,) = of_kind(objects, "ConfigMap")
+    for role in ("GATEWAY", "PREFILL", "DECODE"):
+        assert config["data"][f"BATON_{role}_MODEL"] == "/models/Meta-Llama-3-8B-Instruct"
+    for c in containers(objects):
+        volumes = {v["name"]: v for v in c.pod["volumes"]}
+        assert volumes["model"]["persistentVolumeClaim"]["readOnly"] is True
+        assert {"name": "model", "mountPath": "/models", "readOnly": True} in c.spec["volumeMounts"]
+        if c.role != "gateway":
+            assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
+            assert {"name": "dshm", "mountPath": "/dev/shm"} in c.spec["volumeMounts"]
+
+
 def test_helm_lint_is_clean() -> None:
     import helm_python as helm
 
