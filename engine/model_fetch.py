@@ -44,6 +44,8 @@ _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 # Files a worker never loads: other weight formats and repo clutter.
 _NOT_LOADED = ["*.bin", "*.pt", "*.pth", "*.h5", "*.msgpack", "*.onnx", "*.gguf", "original/*"]
 _WEIGHTS = ["*.safetensors", "*.safetensors.index.json"]
+# In a checkpoint converted from a GGUF: the fingerprint of that GGUF.
+_CONVERTED_FROM = ".baton-converted-from"
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,10 +135,18 @@ def _fetch_gguf(cfg: FetchConfig) -> None:
     if not gguf_path.is_file():
         raise ValueError(f"{cfg.repo}@{cfg.revision} has no file {cfg.gguf_file!r}")
     final = cfg.checkpoint
+    # The checkpoint records which GGUF it was converted from: a branch that still points
+    # at the same file is not converted again by every pod that fetches it.
+    source = model_files._fingerprint(gguf_path)
+    marker = final / _CONVERTED_FROM
+    if is_complete(final) and marker.is_file() and marker.read_text() == source:
+        logger.info("%s is already converted in %s", cfg.gguf_file, final)
+        return
     model_files._check_room(gguf_path, cfg.dest)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=cfg.dest))
     try:
         model_files._convert_gguf(gguf_path, tmp)
+        (tmp / _CONVERTED_FROM).write_text(source)
         if final.exists():
             shutil.rmtree(final)  # an earlier revision's, replaced under the lock
         os.rename(tmp, final)

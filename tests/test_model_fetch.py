@@ -119,6 +119,11 @@ def test_a_gguf_is_converted_once_into_the_volume(tmp_path: Path) -> None:
         assert not [p for _, p in hub.requests if p.endswith("README.md")]
         before = len(hub.requests)
         assert fetch(cfg) == checkpoint and len(hub.requests) == before
+        # At a branch the hub is asked again, but the same GGUF is not converted again.
+        weights = (checkpoint / "model.safetensors").stat().st_mtime_ns
+        fetch(FetchConfig(**{**_fields(cfg), "revision": "main"}))
+        assert len(hub.requests) > before
+        assert (checkpoint / "model.safetensors").stat().st_mtime_ns == weights
     assert model_files.resolve_model(str(checkpoint)).path == checkpoint
 
 
