@@ -137,15 +137,15 @@ def _fetch_gguf(cfg: FetchConfig) -> None:
     final = cfg.checkpoint
     # The checkpoint records which GGUF it was converted from: a branch that still points
     # at the same file is not converted again by every pod that fetches it.
-    source = model_files._fingerprint(gguf_path)
+    source = model_files.gguf_fingerprint(gguf_path)
     marker = final / _CONVERTED_FROM
     if is_complete(final) and marker.is_file() and marker.read_text() == source:
         logger.info("%s is already converted in %s", cfg.gguf_file, final)
         return
-    model_files._check_room(gguf_path, cfg.dest)
+    model_files.check_conversion_room(gguf_path, cfg.dest)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=cfg.dest))
     try:
-        model_files._convert_gguf(gguf_path, tmp)
+        model_files.convert_gguf(gguf_path, tmp)
         (tmp / _CONVERTED_FROM).write_text(source)
         if final.exists():
             shutil.rmtree(final)  # an earlier revision's, replaced under the lock

@@ -172,6 +172,16 @@ def _check_checkpoint_dir(path: Path) -> None:
         )
 
 
+def gguf_fingerprint(gguf_path: Path) -> str:
+    """What names a GGUF's conversion: its size, mtime and the conversion format."""
+    return _fingerprint(gguf_path)
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Convert ``gguf_path`` into ``out_dir`` (no cache, no lock: the caller owns both)."""
+    _convert_gguf(gguf_path, out_dir)
+
+
 def _fingerprint(gguf_path: Path) -> str:
     # Size + mtime instead of a content hash: hashing ~100 MB on every start would cost more
     # than the cache saves, and a replaced file changes its mtime.
@@ -210,7 +220,7 @@ def _converted(name: str, gguf_path: Path, cache_dir: Path | None) -> ModelFiles
                 )
                 return ModelFiles(name=name, path=final)
             _clear_leftovers(root, entry)
-            _check_room(gguf_path, root)
+            check_conversion_room(gguf_path, root)
             tmp = Path(tempfile.mkdtemp(prefix=f".{entry}.tmp-", dir=root))
             try:
                 logger.info("converting %s into %s", gguf_path, final)
@@ -238,7 +248,7 @@ def conversion_bytes(gguf_path: Path) -> int:
     return 4 * elements + _CONVERSION_SLACK_BYTES
 
 
-def _check_room(gguf_path: Path, root: Path) -> None:
+def check_conversion_room(gguf_path: Path, root: Path) -> None:
     """Refuse, before writing anything, a conversion that cannot fit in ``root``."""
     need = conversion_bytes(gguf_path)
     free = shutil.disk_usage(root).free

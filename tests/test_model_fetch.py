@@ -14,6 +14,8 @@ import pytest
 from engine import model_files
 from engine.model_fetch import FetchConfig, fetch, parse
 from engine.sampling_params import SamplingParams
+from gateway.served_model import locate_model, read_model_card
+from gateway.tokenizer import Tokenizer
 from tests.engine_helpers import compare_greedy, hf_greedy, hf_model, make_core
 from tests.factories import TINY_GGUF_VOCAB_SIZE, make_tiny_gguf, make_tiny_model_dir
 from tests.fake_hub import FakeRepo, serve
@@ -91,6 +93,14 @@ def test_the_gateways_fetch_skips_the_weights(tiny_llama: Path, tmp_path: Path) 
     assert (checkpoint / "config.json").is_file() and (checkpoint / "tokenizer.json").is_file()
     assert not list(checkpoint.glob("*.safetensors"))
     assert not [p for _, p in hub.requests if p.endswith(".safetensors")]
+    # All the gateway reads: its model card and tokenizer.
+    source = locate_model(str(checkpoint))
+    tokenizer = Tokenizer.load(source.directory)
+    try:
+        card = read_model_card(source, tokenizer)
+    finally:
+        tokenizer.close()
+    assert card.max_model_len > 0
 
 
 def test_a_repo_without_safetensors_is_refused(tmp_path: Path) -> None:
