@@ -152,3 +152,58 @@ def test_notes_say_where_the_model_comes_from_and_the_access_mode_it_needs() -> 
     pvc = render_notes({**mine, "model": {"source": "pvc", "claimName": "llama"}})
     assert "The claim llama is mounted read-only by every pod of every role" in pvc
     assert "ReadOnlyMany or ReadWriteMany" in pvc
+
+
+def test_rendered_pods_fetch_from_a_local_hub_and_serve_completions_equal_to_hf(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """model.source hf end to end: the rendered single-process and gateway pods, each with
+    its rendered init container first (the hub's endpoint is the fake hub; the token is a
+    Secret file), then a Generate through the gateway, greedy-equal to HF."""
+    import asyncio
+
+    import grpc
+
+    from protos.baton.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+    from tests.k8s_pods import LocalPods
+
+    hub = FakeRepo.from_dir("acme/tiny-llama", tiny_llama, sha=REVISION, token="hf_pod_token")
+    token = tmp_path / "token"
+    token.write_text("hf_pod_token")
+    with serve(hub) as url:
+        objects = render(
+            {
+                "mode": "single",
+                "model": {**HF, "hf": {**HF["hf"], "endpoint": url}},
+                "engine": {"dtype": "float32", "numThreads": 1, "numBlocks": 128},
+                "gateway": {"settings": {"statsIntervalS": 0.1, "resolveIntervalS": 0.5}},
+            }
+        )
+        by_deployment = {c.deployment: c for c in containers(objects)}
+        data = named(objects, "ConfigMap", "baton-config")["data"]
+        with LocalPods(tmp_path / "pods", secrets={"hub-token": {"hf": token}}) as pods:
+            worker = pods.start("single-0", by_deployment["baton-single"], objects)
+            pods.wait_ready(worker, 240)
+            name = data["BATON_GATEWAY_DECODE"].removeprefix("dns:///")
+            pods.publish_dns({name: [worker.address("grpc-decode")]})
+            gateway = pods.start("gateway-0", by_deployment["baton-gateway"], objects)
+            pods.wait_ready(gateway, 240)
+            prompt = [1000 + 13 * i for i in range(24)]
+
+            async def generate() -> list[int]:
+                async with grpc.aio.insecure_channel(gateway.address("grpc")) as channel:
+                    request = generate_pb2.GenerateRequest(
+                        token_ids=generate_pb2.TokenIds(ids=prompt),
+                        sampling_params=common_pb2.SamplingParameters(
+                            max_tokens=8, temperature=0, ignore_eos=True
+                        ),
+                    )
+                    stub = generate_pb2_grpc.BatonStub(channel)
+                    replies = [r async for r in stub.Generate(request, timeout=60)]
+                return [t for r in replies for t in r.token_ids]
+
+            ours = asyncio.run(generate())
+    weights = [p for _, p in hub.requests if p.endswith("model.safetensors")]
+    assert len(weights) == 2  # HEAD and GET by the worker's init step; none by the gateway's
+    ref, ref_logits = hf_greedy(hf_model(tiny_llama), prompt, 8)
+    assert compare_greedy(ours, ref, ref_logits) in ("equal", "tie"), (ours, ref)
