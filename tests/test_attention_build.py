@@ -166,3 +166,44 @@ def test_the_flag_and_its_env_twin_parse_and_bad_values_are_refused() -> None:
     assert WorkerConfig.from_args("decode", [], {}).engine.attention_fallback == "none"
     with pytest.raises(ValueError, match="attention_fallback must be 'none' or 'torch'"):
         WorkerConfig.from_args("decode", ["--attention-fallback", "cpu"], {})
+
+
+_BUILD_ON_GPU = """
+import functools, sys, torch
+from engine.layers.attention import build_triton_attention, choose_gpu_attention
+build = functools.partial(build_triton_attention, torch.device("cuda", 0), num_heads=4,
+                          num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.bfloat16)
+print(choose_gpu_attention(sys.argv[1], build))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compiler", ["found", "missing"])
+def test_on_a_gpu_the_build_needs_a_c_compiler(compiler: str, tmp_path: Path) -> None:
+    """Real Triton on a real GPU, in a fresh process with an empty cache (so nothing is
+    reused): with the compiler the kernels build; with CC naming none, the start fails
+    with the cause, and the flag's fallback is chosen only when asked."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    env.pop("TRITON_INTERPRET", None)
+    if compiler == "missing":
+        env["CC"] = str(tmp_path / "no-such-cc")
+
+    def run(fallback: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-c", _BUILD_ON_GPU, fallback],
+            capture_output=True, text=True, env=env, timeout=600,
+        )  # fmt: skip
+
+    strict = run("none")
+    if compiler == "found":
+        assert strict.returncode == 0 and strict.stdout.split() == ["triton"], strict.stderr
+        return
+    assert strict.returncode != 0
+    assert "AttentionBuildError" in strict.stderr and "did not build" in strict.stderr
+    loud = run("torch")
+    assert loud.returncode == 0 and loud.stdout.split() == ["torch"], loud.stderr
+    assert "--attention-fallback torch" in loud.stderr
