@@ -14,9 +14,10 @@ API's ``status.podIP``) with these mappings, and nothing else changed:
 
 The image's entrypoint (``ROLE`` as first argument) is ``python -m`` of the role's module
 (tests.k8s_manifests.ROLE_MODULES; ``fetch-model``: engine.model_fetch). A pod's init
-containers run first, to completion, on the same volumes. The gateway's ``dns:///`` names resolve through a
-file the test writes, the cluster DNS answer (``BATON_GATEWAY_RESOLVE_FILE``, the
-gateway's ``--resolve-file``): each headless Service name -> its ready pods.
+containers run first, to completion, on the same volumes. The gateway's ``dns:///``
+names resolve through a file the test writes, the cluster DNS answer
+(``BATON_GATEWAY_RESOLVE_FILE``, the gateway's ``--resolve-file``): each headless Service
+name -> its ready pods.
 
 Readiness is what the rendered readiness probe says, run the way the kubelet runs it: a
 gRPC probe is a grpc.health.v1 Check, an exec probe runs its command (``python`` is this
