@@ -289,8 +289,8 @@ _HELP = {
     "enforce_eager": "GPU: no CUDA graphs, every step runs eagerly (true/false)",
     "attention_fallback": "GPU: when the Triton attention kernels do not build at start "
     "(no C compiler, an unwritable TRITON_CACHE_DIR): none fails the start with the cause; "
-    "torch serves on the plain-torch path, several times slower, logged as an error and "
-    "shown by baton_attention_fallback (default none)",
+    "torch serves on the plain-torch path (slower: no Triton kernels, no CUDA graphs), "
+    "logged as an error and shown by baton_attention_fallback (default none)",
     "host": "interface to listen on; 0.0.0.0: every interface",
     "advertise_host": "address peers reach this worker at, for gRPC and the KV rendezvous "
     "(default: --host, unless that is 0.0.0.0)",

@@ -134,7 +134,7 @@ def choose_gpu_attention(fallback: str, build: Callable[[], None]) -> str:
         if fallback == "torch":
             logger.error(
                 "%s. --attention-fallback torch: serving on the plain-torch attention path, "
-                "several times slower, without CUDA graphs (baton_attention_fallback is 1)",
+                "slower, without Triton kernels or CUDA graphs (baton_attention_fallback is 1)",
                 cause,
             )
             return "torch"
