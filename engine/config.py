@@ -168,6 +168,9 @@ class EngineConfig:
     # host (engine.kernels.route_cache); measure: always measured; default: the constants
     # of engine.kernels.ops; onednn / torch: every class on that one.
     cpu_kernels: str = "auto"
+    # GPU: when the Triton attention kernels do not build at start, "none" fails the
+    # start; "torch" serves on the plain-torch runner (slower, logged, metric-visible).
+    attention_fallback: str = "none"
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
@@ -200,3 +203,7 @@ class EngineConfig:
             )
         if self.kv_growth_tokens < 0:
             raise ValueError(f"kv_growth_tokens must be >= 0, got {self.kv_growth_tokens}")
+        if self.attention_fallback not in ("none", "torch"):
+            raise ValueError(
+                f"attention_fallback must be 'none' or 'torch', got {self.attention_fallback!r}"
+            )

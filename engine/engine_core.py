@@ -7,6 +7,7 @@ current one computes.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -19,8 +20,9 @@ from engine.cuda_runner import CudaModelRunner
 from engine.device import resolve_device
 from engine.kv_events import KVEventLog
 from engine.kv_layout import KVLayout
+from engine.layers.attention import build_triton_attention, choose_gpu_attention
 from engine.model_files import ModelFiles, read_hf_config, resolve_model
-from engine.model_runner import ModelRunner
+from engine.model_runner import DTYPES, ModelRunner
 from engine.request import Request, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SampledToken, Scheduler, SchedulerOutput
@@ -58,8 +60,12 @@ class EngineCore:
             mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, cfg.dtype
         )
         num_blocks = cfg.num_blocks or max(2, cfg.kv_cache_bytes // self.layout.block_bytes)
+        device = resolve_device(cfg.device)
+        # GPU: the Triton kernels must build before the KV pool and weights are loaded (see
+        # engine.layers.attention); the plain runner only where --attention-fallback allows.
+        self.attention_fallback = device.type == "cuda" and self._gpu_attention(device) == "torch"
         pool_tensor = kv_pool_factory(self.layout, num_blocks) if kv_pool_factory else None
-        on_gpu = resolve_device(cfg.device).type == "cuda"
+        on_gpu = device.type == "cuda" and not self.attention_fallback
         self.runner = (CudaModelRunner if on_gpu else ModelRunner)(
             cfg,
             mc,
@@ -92,6 +98,21 @@ class EngineCore:
             num_blocks * self.layout.block_bytes / 2**20,
             max_len,
         )
+
+    def _gpu_attention(self, device: torch.device) -> str:
+        """``"triton"``, or ``"torch"`` when the kernels did not build and the config
+        allows the fallback; AttentionBuildError otherwise."""
+        mc = self.model_config
+        build = functools.partial(
+            build_triton_attention,
+            device,
+            num_heads=mc.num_heads,
+            num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim,
+            block_size=self.cfg.block_size,
+            dtype=DTYPES[self.cfg.dtype],
+        )
+        return choose_gpu_attention(self.cfg.attention_fallback, build)
 
     # -- requests ---------------------------------------------------------------------
 
@@ -181,6 +202,7 @@ class EngineCore:
             max_num_seqs=s.max_num_seqs,
             max_queued_requests=s.max_queued,
             cpu_kernel_routes=self._kernel_routes,
+            attention_fallback=self.attention_fallback,
         )
 
     def generate(

@@ -172,6 +172,16 @@ def _check_checkpoint_dir(path: Path) -> None:
         )
 
 
+def gguf_fingerprint(gguf_path: Path) -> str:
+    """What names a GGUF's conversion: its size, mtime and the conversion format."""
+    return _fingerprint(gguf_path)
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Convert ``gguf_path`` into ``out_dir`` (no cache, no lock: the caller owns both)."""
+    _convert_gguf(gguf_path, out_dir)
+
+
 def _fingerprint(gguf_path: Path) -> str:
     # Size + mtime instead of a content hash: hashing ~100 MB on every start would cost more
     # than the cache saves, and a replaced file changes its mtime.
@@ -210,6 +220,7 @@ def _converted(name: str, gguf_path: Path, cache_dir: Path | None) -> ModelFiles
                 )
                 return ModelFiles(name=name, path=final)
             _clear_leftovers(root, entry)
+            check_conversion_room(gguf_path, root)
             tmp = Path(tempfile.mkdtemp(prefix=f".{entry}.tmp-", dir=root))
             try:
                 logger.info("converting %s into %s", gguf_path, final)
@@ -222,6 +233,31 @@ def _converted(name: str, gguf_path: Path, cache_dir: Path | None) -> ModelFiles
             return ModelFiles(name=name, path=final)
         finally:
             fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+
+# Beyond the fp32 weights, a converted checkpoint holds its tokenizer and configs.
+_CONVERSION_SLACK_BYTES = 64 << 20
+
+
+def conversion_bytes(gguf_path: Path) -> int:
+    """Bytes the fp32 checkpoint converted from ``gguf_path`` takes: its tensors' element
+    counts from the GGUF header, at 4 bytes each, plus the tokenizer's and configs' room."""
+    from gguf import GGUFReader
+
+    elements = sum(int(t.n_elements) for t in GGUFReader(str(gguf_path)).tensors)
+    return 4 * elements + _CONVERSION_SLACK_BYTES
+
+
+def check_conversion_room(gguf_path: Path, root: Path) -> None:
+    """Refuse, before writing anything, a conversion that cannot fit in ``root``."""
+    need = conversion_bytes(gguf_path)
+    free = shutil.disk_usage(root).free
+    if need > free:
+        raise ValueError(
+            f"converting {str(gguf_path)!r} to fp32 safetensors needs {need / 2**30:.2f} GiB in "
+            f"{str(root)!r}, which has {free / 2**30:.2f} GiB free: give the cache more room, "
+            "or convert once into a volume every pod mounts (model.source hf or pvc)"
+        )
 
 
 def _clear_leftovers(root: Path, entry: str) -> None:

@@ -39,6 +39,9 @@ class EngineStats:
     # CPU: the kernel route of each linear row class (engine.kernels.route_table);
     # fixed at start-up, empty on GPU.
     cpu_kernel_routes: tuple[tuple[str, str], ...] = ()
+    # GPU: the Triton kernels did not build and --attention-fallback torch chose the
+    # plain-torch runner.
+    attention_fallback: bool = False
 
 
 # Upper bounds (seconds) of the KV transfer duration histogram: a few blocks over shm

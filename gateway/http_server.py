@@ -8,7 +8,10 @@ The same lifecycle as the gRPC server (rpc.server), for the same reasons::
             uvicorn stops, cancelling what is left (which cancels their decode calls)
 
 ``GET /health`` is always answered: 200 while open, 503 while starting or draining (no
-key needed). With TLS files the listener speaks HTTPS only.
+key needed). ``GET /alive`` is 200 from the moment the listener serves until it starts
+draining, ready or not: the startup and liveness probe of a gateway still waiting for
+its decode workers (the HTTP twin of ``rpc.server.ALIVE_SERVICE``). With TLS files the
+listener speaks HTTPS only.
 uvicorn's own signal handling is turned off: the gateway's ``__main__`` owns SIGTERM and
 stops both listeners together.
 """
@@ -44,6 +47,7 @@ class HttpGate(DrainGate):
 
     def __init__(self, app: ASGIApp, api_keys: ApiKeys | None = None) -> None:
         super().__init__("the gateway is starting")
+        self.stopping = False  # set once the listener drains: /alive turns 503
         self._app = app
         self._api_keys = api_keys
 
@@ -52,6 +56,11 @@ class HttpGate(DrainGate):
             return await self._app(scope, receive, send)
         if scope["path"] == "/health":
             return await _json(send, 200 if self.open else 503, {"status": self._status()})
+        if scope["path"] == "/alive":
+            alive = not self.stopping
+            return await _json(
+                send, 200 if alive else 503, {"status": "alive" if alive else "stopping"}
+            )
         if not scope["path"].startswith("/v1/"):
             return await self._app(scope, receive, send)
         if self._api_keys is not None and not self._authorized(scope):
@@ -173,6 +182,7 @@ class HttpServer:
 
     async def _stop(self) -> None:
         assert self._server is not None and self._task is not None
+        self.gate.stopping = True
         self.gate.close("the gateway is shutting down")
         if self.gate.in_flight:
             logger.info(

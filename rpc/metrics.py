@@ -193,6 +193,12 @@ class WorkerCollector(Collector):
             s.busy_seconds,
         )
         yield counter("baton_engine_steps_total", "Engine steps run.", s.num_steps)
+        yield gauge(
+            "baton_attention_fallback",
+            "1 when this GPU worker's Triton attention kernels did not build and it serves "
+            "on the slower plain-torch path (--attention-fallback torch); else 0.",
+            1.0 if s.attention_fallback else 0.0,
+        )
         yield counter(
             "baton_prefix_cache_queries_total",
             "Prompt tokens looked up in the prefix cache.",

@@ -5,10 +5,12 @@ plus what a model server needs around it::
 
     start:  server with ErrorInterceptor (+ spec.interceptors, e.g. API keys) -> register
             servicers -> health (NOT_SERVING) -> reflection (v1 + v1alpha; if
-            spec.reflection) -> bind (TLS with spec.credentials) -> start -> port file ->
-            await spec.ready() -> health SERVING, calls admitted
-    stop:   health NOT_SERVING -> new calls refused with UNAVAILABLE -> in-flight calls
-            drain for up to spec.grace_s -> server.stop() cancels what is left
+            spec.reflection) -> bind (TLS with spec.credentials) -> start -> health of
+            ALIVE_SERVICE SERVING -> port file -> await spec.ready() -> health SERVING,
+            calls admitted
+    stop:   health NOT_SERVING (ALIVE_SERVICE too) -> new calls refused with UNAVAILABLE
+            -> in-flight calls drain for up to spec.grace_s -> server.stop() cancels what
+            is left
 
 Until ``ready`` returns, and from the moment stopping begins, every call other than
 health and reflection is refused with UNAVAILABLE, so a caller can retry elsewhere. So
@@ -55,6 +57,10 @@ _INFRA_PREFIXES = tuple(f"/{name}/" for name in (health.SERVICE_NAME, *REFLECTIO
 # counted as in flight, so a drain does not wait its whole grace period on them; the
 # server's stop cancels them.
 _ENDLESS_SUFFIXES = ("/KVEvents",)
+# A health entry SERVING from the moment the server listens until it starts draining,
+# whether or not it is ready: what a startup or liveness probe asks when the process must
+# count as started while it waits on others (the gateway on its decode workers).
+ALIVE_SERVICE = "baton.alive"
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,6 +212,7 @@ class RpcServer:
         if port == 0:
             raise OSError(f"{spec.name}: could not bind {address}")
         await server.start()
+        await self.health_servicer.set(ALIVE_SERVICE, SERVING)
         self._server, self.port = server, port
         logger.info(
             "%s listening on %s:%d (%s)",

@@ -264,6 +264,7 @@ _FIELDS: dict[str, tuple[Callable[[str], Any], str]] = {
     "num_threads": (int, "engine"),
     "cache_dir": (str, "engine"),
     "enforce_eager": (_bool, "engine"),
+    "attention_fallback": (str.lower, "engine"),
     "host": (str, "worker"),
     "port": (int, "worker"),
     "port_file": (Path, "worker"),
@@ -309,6 +310,10 @@ _HELP = {
     "mask, --cpus), bounded by its cgroup CPU quota and --cpu-limit",
     "cache_dir": "where converted GGUF checkpoints are cached",
     "enforce_eager": "GPU: no CUDA graphs, every step runs eagerly (true/false)",
+    "attention_fallback": "GPU: when the Triton attention kernels do not build at start "
+    "(no C compiler, an unwritable TRITON_CACHE_DIR): none fails the start with the cause; "
+    "torch serves on the plain-torch path (slower: no Triton kernels, no CUDA graphs), "
+    "logged as an error and shown by baton_attention_fallback (default none)",
     "host": "interface to listen on; 0.0.0.0: every interface",
     "advertise_host": "address peers reach this worker at, for gRPC and the KV rendezvous "
     "(default: --host, unless that is 0.0.0.0)",

@@ -33,6 +33,16 @@ RELEASE, NAMESPACE = "baton", "llm"
 # Labels that only mean something to Helm; the kustomize base drops them.
 _HELM_ONLY_LABELS = ("helm.sh/chart", "app.kubernetes.io/managed-by")
 
+# Where the image (k8s/Dockerfile) and every rendered container point the JIT caches: all
+# in the writable cache emptyDir under a read-only root.
+JIT_CACHES = {
+    "XDG_CACHE_HOME": "/home/baton/.cache",
+    "TRITON_HOME": "/home/baton/.cache",
+    "TRITON_CACHE_DIR": "/home/baton/.cache/triton",
+    "TORCHINDUCTOR_CACHE_DIR": "/home/baton/.cache/torchinductor",
+    "CUDA_CACHE_PATH": "/home/baton/.cache/nv",
+}
+
 # What the image's entrypoint (k8s/entrypoint.sh) runs for each role.
 ROLE_MODULES = {
     "gateway": ("gateway",),
@@ -99,9 +109,8 @@ def example_values(name: str) -> dict[str, Any]:
     return yaml.safe_load((EXAMPLES / f"{name}.yaml").read_text()) or {}
 
 
-def kustomize_base_text() -> str:
-    """The kustomize base: the chart rendered with base-values.yaml, Helm labels dropped,
-    no namespace (the overlay or ``kubectl -n`` gives one)."""
+def _kustomize_base_objects() -> list[dict[str, Any]]:
+    """The chart rendered with base-values.yaml, Helm-only labels dropped."""
     values = yaml.safe_load(KUSTOMIZE_BASE_VALUES.read_text())
     objects = render(values, release="baton", namespace="default")
     for obj in objects:
@@ -109,12 +118,47 @@ def kustomize_base_text() -> str:
             labels = meta.get("labels", {})
             for key in _HELM_ONLY_LABELS:
                 labels.pop(key, None)
+    return objects
+
+
+def kustomize_base_text() -> str:
+    """The kustomize base's resources: the chart rendered with base-values.yaml, Helm
+    labels dropped, no namespace (the overlay or ``kubectl -n`` gives one), and neither
+    the ConfigMap nor the pods' checksum of it: kustomize generates the ConfigMap from
+    config.env (kustomize_base_config_env) with a content hash in its name, so an overlay
+    that patches a setting renames it, and the pods that load it roll."""
+    objects = []
+    for obj in _kustomize_base_objects():
+        if obj["kind"] == "ConfigMap":
+            continue
+        template = obj.get("spec", {}).get("template")
+        if isinstance(template, dict):
+            template.get("metadata", {}).get("annotations", {}).pop("checksum/config", None)
+        objects.append(obj)
     header = (
         "# Generated from k8s/charts/baton with k8s/kustomize/base-values.yaml; do not edit.\n"
         "# Regenerate: BATON_UPDATE_GOLDEN=1 pytest tests/test_k8s_chart.py -k golden\n"
     )
     body = "---\n".join(yaml.safe_dump(o, sort_keys=False, width=1000) for o in objects)
     return header + body
+
+
+def kustomize_base_config() -> dict[str, Any]:
+    """The chart's ConfigMap as the base renders it (what the generator must rebuild)."""
+    (config,) = [o for o in _kustomize_base_objects() if o["kind"] == "ConfigMap"]
+    return config
+
+
+def kustomize_base_config_env() -> str:
+    """The base's settings as the env file its configMapGenerator reads (KEY=VALUE)."""
+    data = kustomize_base_config()["data"]
+    for key, value in data.items():
+        assert "\n" not in str(value), f"{key}: a multi-line value cannot go in an env file"
+    header = (
+        "# Generated from k8s/charts/baton with k8s/kustomize/base-values.yaml; do not edit.\n"
+        "# Regenerate: BATON_UPDATE_GOLDEN=1 pytest tests/test_k8s_chart.py -k golden\n"
+    )
+    return header + "".join(f"{key}={value}\n" for key, value in data.items())
 
 
 def _metadatas(obj: dict[str, Any]) -> Iterator[dict[str, Any]]:
@@ -131,6 +175,7 @@ def golden_files() -> dict[Path, str]:
         for p in sorted(EXAMPLES.glob("*.yaml"))
     }
     files[KUSTOMIZE / "base" / "baton.yaml"] = kustomize_base_text()
+    files[KUSTOMIZE / "base" / "config.env"] = kustomize_base_config_env()
     return files
 
 
@@ -191,6 +236,17 @@ class Container:
     @property
     def args(self) -> list[str]:
         return [*self.spec.get("command", []), *self.spec.get("args", [])]
+
+    @property
+    def processes(self) -> list[tuple[str, list[str]]]:
+        """(role, flags) of each service process the container runs: its role's, or for
+        the entrypoint's ``pair`` the prefill worker's and the decode worker's (split at
+        ``--``)."""
+        flags = self.args[1:]
+        if self.role != "pair":
+            return [(self.role, flags)]
+        cut = flags.index("--")
+        return [("prefill", flags[:cut]), ("decode", flags[cut + 1 :])]
 
     @property
     def ports(self) -> dict[str, int]:

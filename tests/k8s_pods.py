@@ -13,9 +13,11 @@ API's ``status.podIP``) with these mappings, and nothing else changed:
   for that Secret (``LocalPods(secrets=...)``: Secret name -> key -> file).
 
 The image's entrypoint (``ROLE`` as first argument) is ``python -m`` of the role's module
-(tests.k8s_manifests.ROLE_MODULES). The gateway's ``dns:///`` names resolve through a
-file the test writes, the cluster DNS answer (``BATON_GATEWAY_RESOLVE_FILE``, the
-gateway's ``--resolve-file``): each headless Service name -> its ready pods.
+(tests.k8s_manifests.ROLE_MODULES; ``fetch-model``: engine.model_fetch). A pod's init
+containers run first, to completion, on the same volumes. The gateway's ``dns:///``
+names resolve through a file the test writes, the cluster DNS answer
+(``BATON_GATEWAY_RESOLVE_FILE``, the gateway's ``--resolve-file``): each headless Service
+name -> its ready pods.
 
 Readiness is what the rendered readiness probe says, run the way the kubelet runs it: a
 gRPC probe is a grpc.health.v1 Check, an exec probe runs its command (``python`` is this
@@ -44,6 +46,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.k8s_manifests import ROLE_MODULES, Container
+
+# What the image's entrypoint runs for the init containers' roles.
+INIT_MODULES = {"fetch-model": ("engine.model_fetch",)}
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -97,13 +102,20 @@ class Pod:
 
     def ready(self) -> bool:
         """One run of the rendered readiness probe: True when it passes."""
-        probe = self.container.spec["readinessProbe"]
+        return self.probe("readinessProbe")
+
+    def probe(self, kind: str) -> bool:
+        """One run of the rendered ``kind`` probe (``startupProbe``, ``readinessProbe``,
+        ``livenessProbe``): True when it passes within its timeoutSeconds."""
+        probe = self.container.spec[kind]
+        timeout = float(probe.get("timeoutSeconds", 1))
         if "grpc" in probe:
             address = f"{self.ip}:{self.ports[probe['grpc']['port']]}"
+            service = probe["grpc"].get("service", "")
             with grpc.insecure_channel(address) as channel:
                 try:
                     reply = health_pb2_grpc.HealthStub(channel).Check(
-                        health_pb2.HealthCheckRequest(), timeout=1.0
+                        health_pb2.HealthCheckRequest(service=service), timeout=timeout
                     )
                 except grpc.RpcError:
                     return False
@@ -124,7 +136,7 @@ class Pod:
         url = f"{scheme}://{self.ip}:{self.port(get['port'])}{get['path']}"
         unverified = ssl._create_unverified_context()  # the kubelet does not verify either
         try:
-            with urllib.request.urlopen(url, timeout=2, context=unverified) as reply:
+            with urllib.request.urlopen(url, timeout=timeout, context=unverified) as reply:
                 return reply.status == 200
         except (urllib.error.URLError, OSError):
             return False
@@ -152,11 +164,26 @@ class LocalPods:
         self.stop()
 
     def start(self, name: str, container: Container, objects: list[dict[str, Any]]) -> Pod:
+        """Start ``container`` as pod ``name``, after running the pod's init containers to
+        completion (in order, like the kubelet) on the same volumes."""
         ip = f"127.0.0.{self._next_ip}"
         self._next_ip += 1
         root = self.workdir / name
         root.mkdir(parents=True)
         ports = {p: free_port(ip) for p in container.ports.values()}
+        for spec in container.pod.get("initContainers", []):
+            init = Container(container.deployment, spec, container.pod)
+            self._run_init(name, root, ip, ports, init, objects)
+        mounts = self._mounts(name, root, container)
+        log = root / "log.txt"
+        popen = self._popen(root, ip, ports, mounts, container, objects, log)
+        pod = Pod(name, ip, container, ports, mounts, popen, log)
+        self.pods.append(pod)
+        return pod
+
+    def _mounts(self, name: str, root: Path, container: Container) -> dict[str, Path]:
+        """Mount path -> local directory; one directory per volume of the pod, so its init
+        and main containers share what they write."""
         volumes = {v["name"]: v for v in container.pod.get("volumes", [])}
         mounts: dict[str, Path] = {}
         for mount in container.spec.get("volumeMounts", []):
@@ -165,8 +192,10 @@ class LocalPods:
                 mounts[mount["mountPath"]] = Path(volume["hostPath"]["path"])
                 continue
             local = root / mount["name"]
-            local.mkdir(exist_ok=True)
             mounts[mount["mountPath"]] = local
+            if local.exists():
+                continue
+            local.mkdir()
             if "secret" in volume:
                 secret = volume["secret"]["secretName"]
                 assert secret in self.secrets, f"{name}: the test gave no Secret {secret}"
@@ -174,6 +203,18 @@ class LocalPods:
                     shutil.copyfile(path, local / key)
             else:
                 assert "emptyDir" in volume, f"{name}: cannot map volume {volume}"
+        return mounts
+
+    def _popen(
+        self,
+        root: Path,
+        ip: str,
+        ports: dict[int, int],
+        mounts: dict[str, Path],
+        container: Container,
+        objects: list[dict[str, Any]],
+        log: Path,
+    ) -> subprocess.Popen:
         args = [mapped(a, ip, ports, mounts) for a in container.args]
         env = {k: v for k, v in os.environ.items() if not k.startswith("BATON_")}
         rendered = container.env(objects, pod_ip=ip)
@@ -182,15 +223,27 @@ class LocalPods:
         role, flags = args[0], args[1:]
         if role == "gateway":
             env["BATON_GATEWAY_RESOLVE_FILE"] = str(self.dns_file)
-        command = [sys.executable, "-m", *ROLE_MODULES[role]]
-        log = root / "log.txt"
+        command = [sys.executable, "-m", *{**ROLE_MODULES, **INIT_MODULES}[role]]
         with open(log, "wb") as out:
-            popen = subprocess.Popen(
+            return subprocess.Popen(
                 [*command, *flags], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=root
             )
-        pod = Pod(name, ip, container, ports, mounts, popen, log)
-        self.pods.append(pod)
-        return pod
+
+    def _run_init(
+        self,
+        name: str,
+        root: Path,
+        ip: str,
+        ports: dict[int, int],
+        init: Container,
+        objects: list[dict[str, Any]],
+    ) -> None:
+        mounts = self._mounts(name, root, init)
+        log = root / f"init-{init.name}.txt"
+        popen = self._popen(root, ip, ports, mounts, init, objects, log)
+        code = popen.wait(timeout=300)
+        text = log.read_text(errors="replace")[-4000:]
+        assert code == 0, f"{name}: init container {init.name} exited {code}:\n{text}"
 
     def publish_dns(self, answers: dict[str, list[str]]) -> None:
         """Write the cluster DNS answer: ``"NAME:PORT"`` -> ready pods' addresses."""

@@ -11,7 +11,11 @@ import kubernetes_validate
 from yamllint import linter
 from yamllint.config import YamlLintConfig
 
+# Every object validates against the oldest Kubernetes the chart admits (Chart.yaml's
+# kubeVersion) and the newest schema at hand.
 KUBE_VERSION = kubernetes_validate.utils.latest_version()
+OLDEST_KUBE_VERSION = "1.30.0"
+KUBE_VERSIONS = (OLDEST_KUBE_VERSION, KUBE_VERSION)
 
 # The fields of the two CRDs the chart renders, strictly (what the chart writes must be
 # spelled as the operators read it).
@@ -161,7 +165,8 @@ def validate(obj: dict[str, Any]) -> None:
     if crd is not None:
         jsonschema.validate(obj, crd)
         return
-    kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+    for version in KUBE_VERSIONS:
+        kubernetes_validate.validate(obj, version, strict=True)
 
 
 def lint(text: str, what: str) -> None:

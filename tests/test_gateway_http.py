@@ -404,6 +404,9 @@ async def test_not_ready_is_503_until_a_decode_worker_answers(served_smollm2: Se
     ):
         status, _, body = await asyncio.to_thread(raw_request, gw.port, "GET", "/health")
         assert status == 503 and json.loads(body)["status"] == "the gateway is starting"
+        # Started though: the probes that must not wait for the fleet pass.
+        alive, _, body = await asyncio.to_thread(raw_request, gw.port, "GET", "/alive")
+        assert alive == 200 and json.loads(body) == {"status": "alive"}
         with pytest.raises(openai.APIStatusError) as info:
             await gw.client.completions.create(model=MODEL, prompt="hi")
         assert info.value.status_code == 503
@@ -424,10 +427,12 @@ async def test_stop_refuses_new_requests_and_drains_streams(served_smollm2: Serv
         assert gw.gateway.http is not None
         await eventually(lambda: not gw.gateway.http.gate.open)
         health, _, body = await asyncio.to_thread(raw_request, gw.port, "GET", "/health")
+        alive, _, _ = await asyncio.to_thread(raw_request, gw.port, "GET", "/alive")
         refused, _, _ = await post(gw.port, "/v1/completions", {"model": MODEL, "prompt": "x"})
         text += "".join([c.choices[0].text async for c in chunks])
         await stopping
     assert health == 503 and json.loads(body)["status"] == "the gateway is shutting down"
+    assert alive == 503
     assert refused == 503
     assert text == "a b c d e f"  # the stream in flight finished inside the grace period
 

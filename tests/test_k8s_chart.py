@@ -54,13 +54,31 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "mode": "colocated",
         "transfer": {"transport": "cuda_ipc"},
         "engine": {"device": "cuda"},
-        "prefill": {"gpus": 1},
         "decode": {"gpus": 1},
+        "security": {"fleetTls": {"secretName": "fleet"}, "fleetSecret": {"secretName": "s"}},
     },
     "nccl-pvc": {
         "transfer": {"transport": "nccl"},
         "engine": {"device": "cuda"},
         "model": {"source": "pvc", "claimName": "weights", "name": "llama"},
+    },
+    "hf-pvc-cache-colocated": {
+        "mode": "colocated",
+        "transfer": {"transport": "shm"},
+        "model": {
+            "source": "hf",
+            "name": "HuggingFaceTB/SmolLM2-135M-Instruct",
+            "revision": "12fd25f77366fa6b3b4b768ec3050bf629380bac",
+            "hf": {"tokenSecret": "hf-token", "cache": "pvc", "cacheClaimName": "models"},
+        },
+    },
+    "hf-gguf-hostpath-cache": {
+        "model": {
+            "source": "hf",
+            "name": "bartowski/SmolLM2-135M-Instruct-GGUF",
+            "ggufFile": "SmolLM2-135M-Instruct-Q8_0.gguf",
+            "hf": {"endpoint": "https://hf-mirror.example.com", "cache": "hostPath"},
+        },
     },
     "all-autoscaled-keda": {
         "autoscaling": {"provider": "keda"},
@@ -173,6 +191,49 @@ def test_golden_renders_and_kustomize_base_have_not_drifted() -> None:
     )
 
 
+def test_kustomize_configmap_is_the_charts_and_a_patched_setting_rolls_the_pods(overlays) -> None:  # noqa: ANN001
+    """The base generates the chart's ConfigMap (data and labels) with a content hash in
+    its name; an overlay that patches a setting gets another name, and every Deployment
+    loads that one, so a config-only change rolls the pods."""
+    chart = k8s_manifests.kustomize_base_config()
+
+    def config_of(objects: list[dict[str, Any]]) -> dict[str, Any]:
+        (config,) = of_kind(objects, "ConfigMap")
+        return config
+
+    base = config_of(overlays["base"])
+    assert base["data"] == chart["data"]
+    want_labels = {**chart["metadata"]["labels"], "app.kubernetes.io/managed-by": "kustomize"}
+    assert base["metadata"]["labels"] == want_labels
+    assert re.fullmatch(r"baton-config-[a-z0-9]{10}", base["metadata"]["name"])
+    names = {name: config_of(objects)["metadata"]["name"] for name, objects in overlays.items()}
+    assert len(set(names.values())) == len(names), names  # each overlay patches settings
+    for name, objects in overlays.items():
+        for deploy in of_kind(objects, "Deployment"):
+            refs = {
+                source["configMapRef"]["name"]
+                for c in deploy["spec"]["template"]["spec"]["containers"]
+                for source in c["envFrom"]
+            }
+            assert refs == {names[name]}, f"{name}: {deploy['metadata']['name']} loads {refs}"
+            annotations = deploy["spec"]["template"]["metadata"].get("annotations", {})
+            assert "checksum/config" not in annotations  # the name does the rolling
+
+
+def test_the_gpu_overlay_serves_a_checkpoint_from_a_claim_with_shared_memory(overlays) -> None:  # noqa: ANN001
+    objects = overlays["gpu"]
+    (config,) = of_kind(objects, "ConfigMap")
+    for role in ("GATEWAY", "PREFILL", "DECODE"):
+        assert config["data"][f"BATON_{role}_MODEL"] == "/models/Meta-Llama-3-8B-Instruct"
+    for c in containers(objects):
+        volumes = {v["name"]: v for v in c.pod["volumes"]}
+        assert volumes["model"]["persistentVolumeClaim"]["readOnly"] is True
+        assert {"name": "model", "mountPath": "/models", "readOnly": True} in c.spec["volumeMounts"]
+        if c.role != "gateway":
+            assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
+            assert {"name": "dshm", "mountPath": "/dev/shm"} in c.spec["volumeMounts"]
+
+
 def test_helm_lint_is_clean() -> None:
     import helm_python as helm
 
@@ -205,26 +266,27 @@ def test_every_container_passes_its_services_config_parser(renders, overlays) ->
     """The flags and env twins of every rendered container parse (a renamed flag or env
     key fails here), and what they resolve to is what the manifest means."""
     for where, c, objects in all_containers(renders, overlays):
-        assert c.role in ROLE_MODULES, f"{where}: {c.name} runs unknown role {c.role!r}"
         env = c.env(objects, pod_ip="10.0.0.7")
-        try:
-            cfg = check_config(c.role, c.args[1:], env)
-        except (ValueError, SystemExit) as exc:
-            raise AssertionError(f"{where}: {c.deployment}/{c.name} {c.args}: {exc}") from exc
-        assert cfg["host"] == "0.0.0.0", where
-        _assert_files_are_mounted_secrets(where, c, cfg)
-        if c.role == "gateway":
-            for target in [*cfg["decode"], *cfg["prefill"]]:
-                assert target.startswith("dns:///"), f"{where}: {target}"
-        else:
-            assert cfg["advertise_host"] == "10.0.0.7", f"{where}: {c.name} advertises {cfg}"
-            # numThreads 0 sizes the team by the pod's CPU request, not the node's cores.
-            request = c.spec.get("resources", {}).get("requests", {}).get("cpu")
-            if request is not None:
-                assert cfg["cpu_limit"] == math.ceil(cpu_cores(request)), f"{where}: {cfg}"
-            assert cfg["transport"] in ("gloo", "nccl", "shm", "cuda_ipc")
-            if cfg["transport"] in ("gloo", "nccl") and c.role == "decode":
-                assert cfg["transport_address"] == f"10.0.0.7:{c.ports['kv-store']}", where
+        for role, flags in c.processes:
+            assert role in ROLE_MODULES, f"{where}: {c.name} runs unknown role {role!r}"
+            try:
+                cfg = check_config(role, flags, env)
+            except (ValueError, SystemExit) as exc:
+                raise AssertionError(f"{where}: {c.deployment}/{c.name} {c.args}: {exc}") from exc
+            assert cfg["host"] == "0.0.0.0", where
+            _assert_files_are_mounted_secrets(where, c, cfg)
+            if role == "gateway":
+                for target in [*cfg["decode"], *cfg["prefill"]]:
+                    assert target.startswith("dns:///"), f"{where}: {target}"
+            else:
+                assert cfg["advertise_host"] == "10.0.0.7", f"{where}: {c.name} advertises {cfg}"
+                # numThreads 0 sizes the team by the pod's CPU request, not the node's cores.
+                request = c.spec.get("resources", {}).get("requests", {}).get("cpu")
+                if request is not None:
+                    assert cfg["cpu_limit"] == math.ceil(cpu_cores(request)), f"{where}: {cfg}"
+                assert cfg["transport"] in ("gloo", "nccl", "shm", "cuda_ipc")
+                if cfg["transport"] in ("gloo", "nccl") and role == "decode":
+                    assert cfg["transport_address"] == f"10.0.0.7:{c.ports['kv-store']}", where
 
 
 # Config fields that name a file the chart mounts from a Secret.
@@ -285,20 +347,23 @@ def test_ports_of_probes_services_and_policies_are_the_listening_ports(renders, 
     for where, objects in everything:
         listening: dict[str, dict[str, int]] = {}  # deployment -> port name -> number
         for c in containers(objects):
-            cfg = check_config(c.role, c.args[1:], c.env(objects))
-            assert c.ports[_grpc_name(c.role)] == cfg["port"], f"{where}: {c.name} gRPC"
-            if cfg["metrics_port"]:
-                assert c.ports[_metrics_name(c.role)] == cfg["metrics_port"], where
-            else:
-                assert _metrics_name(c.role) not in c.ports, where
-            if cfg.get("http_port") is not None:
-                assert c.ports["http"] == cfg["http_port"], f"{where}: {c.name} HTTP"
-            else:
-                assert "http" not in c.ports, where
+            probed = []  # the gRPC ports of its processes (a pair's probes check decode's)
+            for role, flags in c.processes:
+                cfg = check_config(role, flags, c.env(objects))
+                assert c.ports[_grpc_name(role)] == cfg["port"], f"{where}: {c.name} gRPC"
+                if cfg["metrics_port"]:
+                    assert c.ports[_metrics_name(role)] == cfg["metrics_port"], where
+                else:
+                    assert _metrics_name(role) not in c.ports, where
+                if cfg.get("http_port") is not None:
+                    assert c.ports["http"] == cfg["http_port"], f"{where}: {c.name} HTTP"
+                else:
+                    assert "http" not in c.ports, where
+                probed.append(
+                    c.ports["http"] if "httpGet" in c.spec["readinessProbe"] else cfg["port"]
+                )
             for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
-                probe = c.spec[kind]
-                want = c.ports["http"] if "httpGet" in probe else cfg["port"]
-                assert _probe_port(c, probe) == want, f"{where}: {c.name} {kind}"
+                assert _probe_port(c, c.spec[kind]) == probed[-1], f"{where}: {c.name} {kind}"
             listening.setdefault(c.deployment, {}).update(c.ports)
         for deploy in of_kind(objects, "Deployment"):
             name = deploy["metadata"]["name"]

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -255,3 +257,90 @@ async def test_rendered_security_serves_tls_and_api_keys_with_mtls_in_the_fleet(
         assert models({"Authorization": f"Bearer {API_KEY}"}) == 200
         moved = scrape(decode.address("metrics-decode"))
         assert moved[("baton_kv_transfer_bytes_total", (("role", "decode"),))] > 0
+
+
+def test_rendered_gateway_starts_before_any_worker_and_is_ready_once_one_is(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """The gateway's startup and liveness probes pass once its server listens, so its pod
+    starts (and is not restarted) while no decode worker exists; its readiness probe
+    passes only once a decode worker answers."""
+    objects = render({**values_for(tiny_llama), "mode": "single"})
+    by_deployment = {c.deployment: c for c in containers(objects)}
+    data = named(objects, "ConfigMap", "baton-config")["data"]
+    with LocalPods(tmp_path) as pods:
+        pods.publish_dns({})  # no worker pod is ready yet
+        gateway = pods.start("gateway-0", by_deployment["baton-gateway"], objects)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not gateway.probe("startupProbe"):
+            assert gateway.popen.poll() is None, gateway.log_tail()
+            assert time.monotonic() < deadline, gateway.log_tail()
+            time.sleep(0.1)
+        assert gateway.probe("livenessProbe")
+        assert not gateway.ready()
+        worker = pods.start("single-0", by_deployment["baton-single"], objects)
+        pods.wait_ready(worker, START_TIMEOUT_S)
+        assert not gateway.ready()  # not in the DNS answer yet
+        pods.publish_dns(
+            {data["BATON_GATEWAY_DECODE"].removeprefix("dns:///"): [worker.address("grpc-decode")]}
+        )
+        pods.wait_ready(gateway, START_TIMEOUT_S)
+        assert gateway.probe("livenessProbe") and gateway.probe("startupProbe")
+
+
+def test_a_worker_in_a_long_prefill_answers_its_rendered_probes_in_time(tmp_path: Path) -> None:
+    """Health is answered from the server's own state, never by the engine thread: while a
+    rendered single-process pod computes one long prefill step, every run of its rendered
+    readiness and liveness probes passes within the probe's timeoutSeconds."""
+    from protos.baton.v1 import worker_pb2, worker_pb2_grpc
+    from tests.factories import make_tiny_model_dir
+
+    wide = make_tiny_model_dir(
+        tmp_path / "wide",
+        hidden_size=512,
+        intermediate_size=2048,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        head_dim=64,
+        max_position_embeddings=4096,
+    )
+    values = values_for(wide)
+    values["mode"] = "single"
+    values["engine"] = {**values["engine"], "maxNumBatchedTokens": 4096, "numBlocks": 300}
+    objects = render(values)
+    (single,) = [c for c in containers(objects) if c.deployment == "baton-single"]
+    with LocalPods(tmp_path / "pods") as pods:
+        worker = pods.start("single-0", single, objects)
+        pods.wait_ready(worker, START_TIMEOUT_S)
+        request = worker_pb2.DecodeRequest(
+            request_id="long-prefill",
+            prompt_token_ids=[100 + i % 1000 for i in range(4000)],
+            sampling_params=common_pb2.SamplingParameters(max_tokens=1, temperature=0),
+        )
+        answered: list[float] = []
+
+        def prefill() -> None:
+            with grpc.insecure_channel(worker.address("grpc-decode")) as channel:
+                began = time.monotonic()
+                replies = list(
+                    worker_pb2_grpc.DecodeWorkerStub(channel).Decode(request, timeout=300)
+                )
+                answered.append(time.monotonic() - began)
+                assert replies[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+        thread = threading.Thread(target=prefill)
+        thread.start()
+        probes: list[tuple[str, bool, float]] = []
+        while thread.is_alive():
+            for kind in ("readinessProbe", "livenessProbe"):
+                began = time.monotonic()
+                passed = worker.probe(kind)
+                probes.append((kind, passed, time.monotonic() - began))
+            time.sleep(0.2)
+        thread.join()
+    assert answered and answered[0] > 2.0, f"the prefill took {answered}: not long enough"
+    assert len(probes) >= 4, probes
+    timeout = single.spec["readinessProbe"]["timeoutSeconds"]
+    assert all(passed for _, passed, _ in probes), probes
+    assert max(seconds for _, _, seconds in probes) < timeout, probes

@@ -9,7 +9,17 @@ from typing import Any
 
 import pytest
 
-from tests.k8s_manifests import CHART, K8S, KUSTOMIZE, containers, named, of_kind, render
+from tests.k8s_manifests import (
+    CHART,
+    JIT_CACHES,
+    K8S,
+    KUSTOMIZE,
+    containers,
+    named,
+    of_kind,
+    render,
+    render_notes,
+)
 
 
 def deployments(values: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -43,7 +53,10 @@ def test_each_role_has_its_own_replicas_and_autoscaler() -> None:
         {
             "type": "Pods",
             "pods": {
-                "metric": {"name": "baton_queued_prompt_tokens"},
+                "metric": {
+                    "name": "baton_queued_prompt_tokens",
+                    "selector": {"matchLabels": {"role": "prefill"}},
+                },
                 "target": {"type": "AverageValue", "averageValue": "1000"},
             },
         }
@@ -80,8 +93,35 @@ def test_cpu_signal_and_keda_switch() -> None:
     trigger = so["spec"]["triggers"][0]
     assert trigger["type"] == "prometheus" and trigger["metadata"]["threshold"] == "4096"
     assert trigger["metadata"]["query"] == (
-        'sum(baton_queued_prompt_tokens{namespace="llm",pod=~"baton-prefill-.*"})'
+        'sum(baton_queued_prompt_tokens{namespace="llm",pod=~"baton-prefill-.*",role="prefill"})'
     )
+
+
+def test_colocated_pods_scale_on_their_decode_workers_series_not_the_sum() -> None:
+    """Both workers of a co-located pod export baton_kv_cache_usage_ratio (role prefill
+    and decode): the autoscaler reads the decode worker's alone."""
+    colocated = {
+        "mode": "colocated",
+        "transfer": {"transport": "shm"},
+        "decode": {"autoscaling": {"enabled": True}},
+    }
+    (hpa,) = of_kind(render(colocated), "HorizontalPodAutoscaler")
+    assert hpa["spec"]["metrics"][0]["pods"]["metric"] == {
+        "name": "baton_kv_cache_usage_ratio",
+        "selector": {"matchLabels": {"role": "decode"}},
+    }
+    (so,) = of_kind(render({**colocated, "autoscaling": {"provider": "keda"}}), "ScaledObject")
+    assert so["spec"]["triggers"][0]["metadata"]["query"] == (
+        'sum(baton_kv_cache_usage_ratio{namespace="llm",pod=~"baton-colocated-.*",role="decode"})'
+    )
+    single = render({"mode": "single", "decode": {"autoscaling": {"enabled": True}}})
+    (hpa,) = of_kind(single, "HorizontalPodAutoscaler")
+    assert hpa["spec"]["metrics"][0]["pods"]["metric"]["selector"] == {
+        "matchLabels": {"role": "both"}  # what a single-process worker labels its series
+    }
+    gateway = render({"gateway": {"autoscaling": {"enabled": True}}})
+    (hpa,) = of_kind(gateway, "HorizontalPodAutoscaler")
+    assert "selector" not in hpa["spec"]["metrics"][0]["pods"]["metric"]
 
 
 def test_probes_use_grpc_health_and_outlast_the_drain() -> None:
@@ -97,10 +137,102 @@ def test_probes_use_grpc_health_and_outlast_the_drain() -> None:
     assert "--grace-s" in c["args"] and c["args"][c["args"].index("--grace-s") + 1] == "120"
 
 
+def test_the_gateway_starts_without_the_fleet_and_probes_ride_out_a_slow_answer() -> None:
+    d = deployments({})
+    gateway = container_of(d["baton-gateway"], "gateway")
+    # Startup and liveness ask whether the server listens; readiness whether it serves.
+    assert gateway["startupProbe"]["grpc"] == {"port": 50051, "service": "baton.alive"}
+    assert gateway["livenessProbe"]["grpc"] == {"port": 50051, "service": "baton.alive"}
+    assert gateway["readinessProbe"]["grpc"] == {"port": 50051}
+    for name in ("baton-gateway", "baton-prefill", "baton-decode"):
+        role = name.removeprefix("baton-")
+        c = container_of(d[name], role)
+        readiness = c["readinessProbe"]
+        # One slow or missed answer on a loaded pod does not take it out of rotation.
+        assert readiness["failureThreshold"] >= 3 and readiness["timeoutSeconds"] >= 5
+        assert all(c[k]["timeoutSeconds"] >= 5 for k in ("startupProbe", "livenessProbe"))
+    tls = deployments(
+        {
+            "http": {"enabled": False},
+            "security": {"gatewayTls": {"secretName": "pub", "serverName": "llm.example.com"}},
+        }
+    )
+    gateway = container_of(tls["baton-gateway"], "gateway")
+    assert gateway["startupProbe"]["exec"]["command"][-4:-2] == ["--service", "baton.alive"]
+    assert "--service" not in gateway["readinessProbe"]["exec"]["command"]
+    https = container_of(deployments(SECURED)["baton-gateway"], "gateway")
+    assert https["startupProbe"]["httpGet"]["path"] == "/alive"
+    assert https["readinessProbe"]["httpGet"]["path"] == "/health"
+
+
+def test_kube_version_rollout_deadline_and_pre_stop_agree() -> None:
+    """Chart.yaml admits exactly the versions the objects are validated against (the
+    oldest, tests/k8s_schemas.py), where the preStop sleep action is on by default
+    (1.30); a zero sleep (1.33) is never rendered; a rollout is not declared stalled
+    before its pods' startup probes could have passed."""
+    import yaml
+
+    from tests.k8s_schemas import OLDEST_KUBE_VERSION
+
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["kubeVersion"] == f">={OLDEST_KUBE_VERSION}-0"
+    assert tuple(int(x) for x in OLDEST_KUBE_VERSION.split(".")[:2]) >= (1, 30)
+    d = deployments({"decode": {"preStopSleepS": 0}, "prefill": {"preStopSleepS": 3}})
+    assert "lifecycle" not in container_of(d["baton-decode"], "decode")
+    assert container_of(d["baton-prefill"], "prefill")["lifecycle"]["preStop"] == {
+        "sleep": {"seconds": 3}
+    }
+    slow = deployments(
+        {"decode": {"probes": {"startup": {"periodSeconds": 10, "failureThreshold": 180}}}}
+    )
+    for deploy in (*d.values(), *slow.values()):
+        spec = deploy["spec"]
+        c = spec["template"]["spec"]["containers"][0]
+        bound = c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"]
+        assert spec["progressDeadlineSeconds"] > bound, deploy["metadata"]["name"]
+    assert slow["baton-decode"]["spec"]["progressDeadlineSeconds"] == 1800 + 600
+
+
+def test_gpu_pods_get_shared_memory_runtime_and_priority_classes_and_nccl_settings() -> None:
+    objects = render(
+        {
+            "engine": {"device": "cuda"},
+            "transfer": {
+                "transport": "nccl",
+                "shmSizeLimit": "8Gi",
+                "nccl": {"SOCKET_IFNAME": "eth0", "IB_DISABLE": 1},
+            },
+            "prefill": {"gpus": 1, "runtimeClassName": "nvidia"},
+            "decode": {"gpus": 1, "runtimeClassName": "nvidia", "priorityClassName": "llm"},
+        }
+    )
+    for name in ("baton-prefill", "baton-decode"):
+        pod = named(objects, "Deployment", name)["spec"]["template"]["spec"]
+        (dshm,) = [v for v in pod["volumes"] if v["name"] == "dshm"]
+        assert dshm["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in pod["containers"][0]["volumeMounts"]
+        assert pod["runtimeClassName"] == "nvidia"
+    decode = named(objects, "Deployment", "baton-decode")["spec"]["template"]["spec"]
+    assert decode["priorityClassName"] == "llm"
+    gateway = named(objects, "Deployment", "baton-gateway")["spec"]["template"]["spec"]
+    assert "dshm" not in str(gateway) and "runtimeClassName" not in gateway
+    data = named(objects, "ConfigMap", "baton-config")["data"]
+    assert {k: v for k, v in data.items() if k.startswith("NCCL_")} == {
+        "NCCL_SOCKET_IFNAME": "eth0",
+        "NCCL_IB_DISABLE": "1",
+    }
+    # CPU pods get none of it; NCCL settings only reach an nccl fleet.
+    cpu = render({"transfer": {"nccl": {"DEBUG": "WARN"}}})
+    assert "dshm" not in str(of_kind(cpu, "Deployment"))
+    assert not [k for k in named(cpu, "ConfigMap", "baton-config")["data"] if "NCCL" in k]
+    with pytest.raises(Exception, match="SOCKET-IFNAME|does not match"):
+        render({"transfer": {"transport": "nccl", "nccl": {"SOCKET-IFNAME": "eth0"}}})
+
+
 def test_gpus_become_nvidia_resources_only_where_asked() -> None:
-    d = deployments({"decode": {"gpus": 2}})
+    d = deployments({"decode": {"gpus": 1}})
     res = container_of(d["baton-decode"], "decode")["resources"]
-    assert res["limits"]["nvidia.com/gpu"] == 2 and res["requests"]["nvidia.com/gpu"] == 2
+    assert res["limits"]["nvidia.com/gpu"] == 1 and res["requests"]["nvidia.com/gpu"] == 1
     assert res["limits"]["memory"] == "4Gi"  # the block's own resources stay
     for role in ("gateway", "prefill"):
         assert "nvidia.com/gpu" not in str(container_of(d[f"baton-{role}"], role)["resources"])
@@ -170,6 +302,53 @@ def test_colocated_pods_share_memory_backed_shm_and_pair_by_host() -> None:
     assert "sysctls" not in pod["securityContext"]
 
 
+COLOCATED_CUDA_IPC = {
+    "mode": "colocated",
+    "transfer": {"transport": "cuda_ipc"},
+    "engine": {"device": "cuda"},
+    "decode": {"gpus": 1, "resources": {"requests": {"cpu": "8", "memory": "64Gi"}}},
+}
+
+
+def test_colocated_cuda_ipc_runs_both_workers_in_one_container_on_one_gpu() -> None:
+    """The device plugin gives each container that requests nvidia.com/gpu its own
+    devices, so the pair runs as two processes of one container that requests the GPU."""
+    objects = render(COLOCATED_CUDA_IPC)
+    pod = named(objects, "Deployment", "baton-colocated")["spec"]["template"]["spec"]
+    (pair,) = pod["containers"]
+    assert pair["args"][0] == "pair"
+    flags = pair["args"][1:]
+    cut = flags.index("--")
+    assert flags[flags.index("--port") + 1] == "50052"  # the prefill worker's
+    assert flags[cut + 1 :][flags[cut + 1 :].index("--port") + 1] == "50053"  # decode's
+    gpus = [c["resources"].get("limits", {}).get("nvidia.com/gpu", 0) for c in pod["containers"]]
+    assert gpus == [1]
+    assert pair["resources"]["requests"] == {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": 1}
+    env = {e["name"] for e in pair["env"]}
+    assert {"BATON_PREFILL_ADVERTISE_HOST", "BATON_DECODE_ADVERTISE_HOST"} <= env
+    ports = {p["name"] for p in pair["ports"]}
+    assert ports == {"grpc-prefill", "grpc-decode", "metrics-prefill", "metrics-decode"}
+    assert pair["readinessProbe"]["grpc"] == {"port": 50053}
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in pair["volumeMounts"]
+    # The pod drains for the longer of the two workers.
+    assert pod["terminationGracePeriodSeconds"] == 5 + 60 + 10
+    # Each worker still has its named port on the Service the gateway resolves.
+    service = {p["name"] for p in named(objects, "Service", "baton-colocated")["spec"]["ports"]}
+    assert {"grpc-prefill", "grpc-decode"} <= service
+    data = named(objects, "ConfigMap", "baton-config")["data"]
+    assert data["BATON_PREFILL_TRANSPORT"] == data["BATON_DECODE_TRANSPORT"] == "cuda_ipc"
+    # shm keeps its two containers (no GPU to share).
+    shm = render({"mode": "colocated", "transfer": {"transport": "shm"}})
+    containers_shm = named(shm, "Deployment", "baton-colocated")["spec"]["template"]["spec"]
+    assert [c["name"] for c in containers_shm["containers"]] == ["prefill", "decode"]
+
+
+def test_colocated_cuda_ipc_refuses_a_gpu_for_prefill() -> None:
+    values = {**COLOCATED_CUDA_IPC, "prefill": {"gpus": 1}}
+    with pytest.raises(Exception, match=r"set prefill.gpus to 0, got 1"):
+        render(values)
+
+
 def test_model_from_a_volume_is_mounted_read_only_everywhere() -> None:
     objects = render({"model": {"source": "hostPath", "hostPath": "/srv/m", "name": "llama/"}})
     data = named(objects, "ConfigMap", "baton-config")["data"]
@@ -178,6 +357,46 @@ def test_model_from_a_volume_is_mounted_read_only_everywhere() -> None:
         assert {"name": "model", "mountPath": "/models", "readOnly": True} in c.spec["volumeMounts"]
         volume = next(v for v in c.pod["volumes"] if v["name"] == "model")
         assert volume["hostPath"] == {"path": "/srv/m", "type": "Directory"}
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"engine": {"device": "cuda"}, "transfer": {"transport": "nccl"}},
+        {"mode": "single"},
+        {"mode": "colocated", "transfer": {"transport": "shm"}},
+    ],
+)
+def test_every_jit_cache_is_on_a_writable_empty_dir_under_a_read_only_root(
+    values: dict[str, Any],
+) -> None:
+    objects = render(values)
+    for c in containers(objects):
+        assert c.spec["securityContext"]["readOnlyRootFilesystem"] is True
+        env = c.env(objects)
+        volumes = {v["name"]: v for v in c.pod["volumes"]}
+        writable = {
+            m["mountPath"]: volumes[m["name"]]
+            for m in c.spec["volumeMounts"]
+            if not m.get("readOnly")
+        }
+        for name, path in JIT_CACHES.items():
+            assert env[name] == path, f"{c.name}: {name}"
+            mount = max((m for m in writable if (path + "/").startswith(m + "/")), key=len)
+            assert "emptyDir" in writable[mount], f"{c.name}: {name} on {mount}"
+
+
+def test_attention_fallback_reaches_both_workers() -> None:
+    data = named(render({}), "ConfigMap", "baton-config")["data"]
+    assert data["BATON_PREFILL_ATTENTION_FALLBACK"] == data["BATON_DECODE_ATTENTION_FALLBACK"]
+    assert data["BATON_DECODE_ATTENTION_FALLBACK"] == "none"  # the default fails the start
+    data = named(
+        render({"decode": {"settings": {"attentionFallback": "torch"}}}),
+        "ConfigMap",
+        "baton-config",
+    )["data"]
+    assert data["BATON_DECODE_ATTENTION_FALLBACK"] == "torch"
+    assert data["BATON_PREFILL_ATTENTION_FALLBACK"] == "none"
 
 
 def test_engine_settings_reach_both_workers_as_env_twins() -> None:
@@ -376,11 +595,37 @@ def test_otlp_endpoint_reaches_all_three_services() -> None:
             {"http": {"enabled": False}, "security": {"gatewayTls": {"secretName": "pub"}}},
             "security.gatewayTls.serverName is required",
         ),
+        (
+            {"decode": {"gpus": 2}},
+            "decode.gpus is 2: a baton worker runs on one GPU, as the engine has no tensor "
+            "parallelism yet; set 0 or 1",
+        ),
+        ({"prefill": {"gpus": 8}}, "prefill.gpus is 8: .* no tensor parallelism"),
     ],
 )
 def test_bad_values_are_refused(values: dict[str, Any], error: str) -> None:
     with pytest.raises(Exception, match=error):
         render(values)
+
+
+def test_notes_say_how_to_publish_the_image_when_it_is_the_default() -> None:
+    notes = render_notes({})
+    assert notes.startswith("WARNING: image.repository is the chart's default")
+    assert "docker build -f k8s/Dockerfile -t <registry>/baton:0.1.0-cpu ." in notes
+    assert "docker push <registry>/baton:0.1.0-cpu" in notes
+    assert "--set image.repository=<registry>/baton" in notes
+    cuda = render_notes({"image": {"tag": "0.1.0-cuda"}})
+    assert "--build-arg VARIANT=cuda -t <registry>/baton:0.1.0-cuda" in cuda
+    own = render_notes({"image": {"repository": "registry.example.com/me/baton"}})
+    assert "WARNING" not in own and own.startswith("baton 0.1.0 is deploying")
+    # A CUDA fleet on the CPU image is said too.
+    gpu = {"engine": {"device": "cuda"}, "transfer": {"transport": "nccl"}}
+    wrong = render_notes({**gpu, "image": {"repository": "r.example/baton"}})
+    assert wrong.startswith("WARNING: the workers compute on CUDA but image.tag 0.1.0-cpu")
+    right = render_notes({**gpu, "image": {"repository": "r.example/baton", "tag": "0.1.0-cuda"}})
+    assert "WARNING" not in right
+    # Every role must load the same model: the NOTES say so and name it.
+    assert "Every worker loads the same model (smollm2-135m)" in own
 
 
 def test_every_value_key_is_commented_and_no_tag_is_latest() -> None:

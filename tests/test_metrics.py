@@ -8,6 +8,7 @@ two services (or two tests) in one process never collide.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import urllib.request
 from pathlib import Path
 
@@ -91,6 +92,7 @@ def test_worker_collector_exposes_every_worker_metric_from_the_snapshot() -> Non
         "baton_engine_busy_ratio": 0.25,
         "baton_engine_busy_seconds_total": 12.5,
         "baton_engine_steps_total": 40,
+        "baton_attention_fallback": 0,
         "baton_prefix_cache_queries_total": 128,
         "baton_prefix_cache_hits_total": 32,
         "baton_preemptions_total": 5,
@@ -111,6 +113,15 @@ def test_worker_collector_exposes_every_worker_metric_from_the_snapshot() -> Non
         (("reason", "aborted"), *role): 1,
         (("reason", "deadline_exceeded"), *role): 1,
     }
+
+
+def test_an_attention_fallback_shows_on_the_worker_metrics() -> None:
+    snapshot = WorkerSnapshot(
+        dataclasses.replace(engine_stats(), attention_fallback=True), busy_ratio=0.0
+    )
+    registry = CollectorRegistry()
+    registry.register(WorkerCollector("prefill", lambda: snapshot))
+    assert samples(registry)[("baton_attention_fallback", (("role", "prefill"),))] == 1
 
 
 def test_a_dead_transfer_thread_shows_on_the_worker_metrics() -> None:

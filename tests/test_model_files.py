@@ -13,6 +13,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -215,6 +216,29 @@ def test_failed_conversion_leaves_nothing_behind(
     assert [n for n in _cache_entries(cache) if not n.endswith(".lock")] == []
     monkeypatch.undo()
     assert (resolve_model(str(gguf), cache_dir=cache).path / "model.safetensors").is_file()
+
+
+def test_a_conversion_that_cannot_fit_is_refused_with_the_sizes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, gguf = _tiny_gguf(tmp_path)
+    cache = tmp_path / "cache"
+    need = model_files.conversion_bytes(gguf)
+    # The tiny model's fp32 weights, element by element, plus the fixed room for the rest.
+    assert need > model_files._CONVERSION_SLACK_BYTES
+
+    def converted_anyway(*args: object) -> None:
+        raise AssertionError("converted although it cannot fit")
+
+    free = need - 1
+    monkeypatch.setattr(model_files, "_convert_gguf", converted_anyway)
+    monkeypatch.setattr(model_files.shutil, "disk_usage", lambda path: SimpleNamespace(free=free))
+    with pytest.raises(ValueError) as refused:
+        resolve_model(str(gguf), cache_dir=cache)
+    message = str(refused.value)
+    assert f"needs {need / 2**30:.2f} GiB" in message
+    assert f"has {free / 2**30:.2f} GiB free" in message and str(cache) in message
+    assert [n for n in _cache_entries(cache) if not n.endswith(".lock")] == []
 
 
 def test_leftover_partial_conversion_is_cleared(tmp_path: Path) -> None:

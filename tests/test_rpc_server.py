@@ -26,7 +26,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from engine import errors
 from protos.baton.v1 import common_pb2, kv_pb2, worker_pb2, worker_pb2_grpc
-from rpc.server import RpcServer, ServerSpec, serve, write_port_file
+from rpc.server import ALIVE_SERVICE, RpcServer, ServerSpec, serve, write_port_file
 
 REPO = Path(__file__).resolve().parent.parent
 DECODE = worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
@@ -195,6 +195,8 @@ async def test_health_goes_serving_only_after_ready() -> None:
     async with running(ready=ready) as (server, channel, _, _):
         assert await health_status(channel) == health_pb2.HealthCheckResponse.NOT_SERVING
         assert await health_status(channel, DECODE) == health_pb2.HealthCheckResponse.NOT_SERVING
+        # Started, not ready: what a startup or liveness probe that must not wait asks.
+        assert await health_status(channel, ALIVE_SERVICE) == health_pb2.HealthCheckResponse.SERVING
         err = await stats_error(channel)
         assert err.code() is grpc.StatusCode.UNAVAILABLE
         assert "starting" in err.details()
@@ -485,6 +487,8 @@ async def test_stop_refuses_new_calls_and_drains_in_flight_stream() -> None:
             return await health_status(channel) == health_pb2.HealthCheckResponse.NOT_SERVING
 
         await eventually(not_serving)
+        alive = await health_status(channel, ALIVE_SERVICE)
+        assert alive == health_pb2.HealthCheckResponse.NOT_SERVING  # draining: no longer alive
         err = await stats_error(channel)
         assert err.code() is grpc.StatusCode.UNAVAILABLE
         assert "shutting down" in err.details()

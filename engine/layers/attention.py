@@ -19,25 +19,46 @@ A layer with a sliding window of W tokens lets a query at position i see positio
 (i - W, i] only (HF's ``sliding_window``); both backends apply it. Blocks outside the
 window stay allocated: the window changes what is read, not what is kept.
 
-On CUDA tensors the Triton kernels (``engine.layers.triton_attention``) take the whole
-step instead, when Triton imports.
+On the GPU the Triton kernels (``engine.layers.triton_attention``) take the whole step
+instead, for layers whose runner sets ``use_triton`` (``engine.cuda_runner``). Whether they
+build is checked once at start-up (``choose_gpu_attention``): Triton compiles each kernel's
+launcher with a C compiler and writes its cache directory at first use, so an image without
+a compiler or a read-only cache fails there, before the worker says SERVING, with an error
+that says what to fix. Only ``--attention-fallback torch`` turns that failure into the
+plain-torch path, logged as an error and shown by the ``baton_attention_fallback`` metric:
+never a silent slow path.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.forward_context import AttentionMetadata, ForwardContext, get_forward_context
+from engine.forward_context import (
+    AttentionMetadata,
+    ForwardContext,
+    PrefillSeq,
+    forward_context,
+    get_forward_context,
+)
 from engine.kernels.cpu import cpu_kernels
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 logger = logging.getLogger(__name__)
+
+
+# What a GPU worker does when the Triton kernels do not build (--attention-fallback).
+ATTENTION_FALLBACKS = ("none", "torch")
+
+
+class AttentionBuildError(RuntimeError):
+    """The Triton attention kernels did not import or build on this device."""
 
 
 @functools.cache
@@ -46,9 +67,82 @@ def triton_attention_backend() -> Callable[..., torch.Tensor] | None:
     try:
         from engine.layers.triton_attention import triton_attention
     except ImportError as exc:
-        logger.warning("Triton is unavailable (%s); attention runs the plain-torch path", exc)
+        logger.warning("Triton is unavailable (%s)", exc)
         return None
     return triton_attention
+
+
+def build_triton_attention(
+    device: torch.device,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+) -> None:
+    """Run the Triton attention of one tiny step (a decode row and a two-token prefill
+    chunk over a two-block cache, in the model's head shape and dtype) on ``device``.
+
+    The first launch compiles the KV-write, decode and prefill kernels and their
+    launchers, so whatever stops them building (no Triton, no C compiler, an unwritable
+    cache directory) raises here. Blocks until the device finished.
+    """
+    attention = triton_attention_backend()
+    if attention is None:
+        raise ImportError("Triton does not import (install baton[gpu])")
+    cache = torch.zeros((1, 2, num_kv_heads, 2, block_size, head_dim), dtype=dtype, device=device)
+    q = torch.randn((3, num_heads, head_dim), device=device).to(dtype)
+    k = torch.randn((3, num_kv_heads, head_dim), device=device).to(dtype)
+    v = torch.randn((3, num_kv_heads, head_dim), device=device).to(dtype)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([0, block_size, block_size + 1], device=device),
+        num_decode=1,
+        decode_block_tables=torch.zeros((1, 1), dtype=torch.long, device=device),
+        decode_mask=None,
+        prefills=[PrefillSeq(1, 2, 0, torch.ones(1, dtype=torch.long, device=device))],
+        decode_context_lens=torch.ones(1, dtype=torch.long, device=device),
+    )
+    ctx = ForwardContext(meta, cache)
+    with forward_context(ctx):
+        out = attention(q, k, v, ctx, 0, head_dim**-0.5, 0)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    if not bool(torch.isfinite(out.float()).all()):
+        raise RuntimeError("the Triton attention of the build check returned non-finite values")
+
+
+def choose_gpu_attention(fallback: str, build: Callable[[], None]) -> str:
+    """``"triton"`` when ``build`` (``build_triton_attention`` bound to the model's shape)
+    succeeds. When it fails: ``AttentionBuildError`` naming the cause and the fix, or with
+    ``fallback="torch"`` an error logged and ``"torch"`` (the caller runs the plain-torch
+    runner and reports ``attention_fallback``)."""
+    if fallback not in ATTENTION_FALLBACKS:
+        raise ValueError(
+            f"attention_fallback must be one of {ATTENTION_FALLBACKS}, got {fallback!r}"
+        )
+    try:
+        build()
+    except Exception as exc:
+        cache_dir = os.environ.get("TRITON_CACHE_DIR") or "~/.triton/cache (TRITON_CACHE_DIR unset)"
+        cause = (
+            f"the Triton attention kernels did not build: {type(exc).__name__}: {exc}. Triton "
+            "compiles each kernel's launcher with a C compiler (CC, else cc/gcc/clang on PATH: "
+            "the CUDA image ships gcc) and writes its cache directory, which must be writable: "
+            f"{cache_dir}"
+        )
+        if fallback == "torch":
+            logger.error(
+                "%s. --attention-fallback torch: serving on the plain-torch attention path, "
+                "slower, without Triton kernels or CUDA graphs (baton_attention_fallback is 1)",
+                cause,
+            )
+            return "torch"
+        raise AttentionBuildError(
+            f"{cause}. Fix the image or the cache volume, or start with --attention-fallback "
+            "torch to serve on the slower plain-torch path"
+        ) from exc
+    return "triton"
 
 
 def decode_attention_backend() -> str:
@@ -111,19 +205,18 @@ class PagedAttention(nn.Module):
         fits_kernel = head_dim % 16 == 0 and head_dim <= 256 and self.group <= 16
         # Plain attribute, so a benchmark or test can pin the torch path per layer.
         self.use_kernel = fits_kernel and decode_attention_backend() == "cpu-kernel"
-        # Triton kernels: None for CUDA tensors, True for any (CPU ones under
-        # TRITON_INTERPRET=1, in tests), False never.
-        self.use_triton: bool | None = None
+        # Triton kernels for every tensor (CPU ones under TRITON_INTERPRET=1, in tests):
+        # set by the runner that checked they build (engine.cuda_runner); the plain
+        # runner on a GPU (--attention-fallback torch) leaves it off.
+        self.use_triton = False
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D] for the batch's new tokens. Returns [T, H*D]."""
         ctx = get_forward_context()
-        if self.use_triton or (self.use_triton is None and q.is_cuda):
+        if self.use_triton:
             triton_attention = triton_attention_backend()
-            if triton_attention is not None:
-                return triton_attention(
-                    q, k, v, ctx, self.layer_idx, self.scale, self.sliding_window
-                )
+            assert triton_attention is not None, "use_triton set where Triton does not import"
+            return triton_attention(q, k, v, ctx, self.layer_idx, self.scale, self.sliding_window)
         if (
             self.use_kernel
             and q.is_cpu

@@ -20,6 +20,9 @@ is rendered from these by templates/deployment.yaml.
 {{- end }}
 {{- end }}
 
+{{/* The image repository values.yaml names: a placeholder nothing publishes. */}}
+{{- define "baton.defaultRepository" -}}ghcr.io/baton-llm/baton{{- end }}
+
 {{/* Labels of every object; pass (dict "root" $ "component" NAME). */}}
 {{- define "baton.labels" -}}
 helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace "+" "_" }}
@@ -42,8 +45,9 @@ app.kubernetes.io/component: {{ .component }}
 
 {{/*
 The workloads the mode renders, as a YAML list: name (object suffix and component label),
-block (the values block with replicas, autoscaling, pdb, placement) and containers (the
-roles it runs).
+block (the values block with replicas, autoscaling, pdb, placement), containers (the
+roles it runs) and pair (true: those roles run as two processes of one container, see
+baton.container's "pair").
 */}}
 {{- define "baton.workloads" -}}
 - {name: gateway, block: gateway, containers: [gateway]}
@@ -53,15 +57,37 @@ roles it runs).
 {{- else if eq .Values.mode "single" }}
 - {name: single, block: decode, containers: [single]}
 {{- else if eq .Values.mode "colocated" }}
-- {name: colocated, block: decode, containers: [prefill, decode]}
+- {name: colocated, block: decode, containers: [prefill, decode], pair: {{ eq .Values.transfer.transport "cuda_ipc" }}}
 {{- else }}
 {{- fail (printf "mode must be disaggregated, single or colocated, got %q" .Values.mode) }}
 {{- end }}
 {{- end }}
 
-{{/* The values block of a container role (single-process workers use decode's). */}}
+{{/*
+The `role` label of the worker series a workload scales on: a co-located pod exports the
+series of both its workers, and the autoscaler must read one (the decode worker's, whose
+block it takes), not their sum; single-process workers label theirs "both"; "" for the
+gateway (its series carry no role).
+*/}}
+{{- define "baton.metricRole" -}}
+{{- if eq . "colocated" }}decode{{ else if eq . "single" }}both{{ else if ne . "gateway" }}{{ . }}{{ end }}
+{{- end }}
+
+{{/*
+True when a pod gets a memory-backed /dev/shm (volume dshm): co-located pods (decode's KV
+pool lives there) and GPU pods (NCCL and torch use it). Pass (dict "root" $ "block"
+NAME), the values block of the workload (or of the container's role: the same block
+outside co-located pods); never the gateway's (it computes nothing).
+*/}}
+{{- define "baton.sharedMemory" -}}
+{{- $v := .root.Values }}
+{{- if and (ne .block "gateway") (or (eq $v.mode "colocated") (gt (int (index $v .block).gpus) 0)) }}true{{ end }}
+{{- end }}
+
+{{/* The values block of a container role (single-process workers and the co-located
+pair use decode's). */}}
 {{- define "baton.roleBlock" -}}
-{{- if eq . "single" }}decode{{ else }}{{ . }}{{ end }}
+{{- if has . (list "single" "pair") }}decode{{ else }}{{ . }}{{ end }}
 {{- end }}
 
 {{/* The BATON_<PREFIX>_ of a container role. */}}
@@ -96,10 +122,89 @@ change keeps it right).
 dns:///{{ include "baton.fullname" .root }}-{{ .name }}:{{ .port }}
 {{- end }}
 
+{{/*
+model.source hf: the directory the init step fetches into (the repo and revision, each a
+path segment), and the checkpoint directory in it that every service loads (named for the
+repo, so the gateway serves it under that name); see engine/model_fetch.py.
+*/}}
+{{- define "baton.hfDest" -}}
+{{- $m := .Values.model }}
+{{- if not (regexMatch "^[A-Za-z0-9][-_.A-Za-z0-9]*/[-_.A-Za-z0-9]+$" $m.name) }}
+{{- fail (printf "model.name must be ORG/NAME (a Hugging Face repo) when model.source is hf, got %q" $m.name) }}
+{{- end }}
+{{- printf "%s/%s/%s" (trimSuffix "/" $m.mountPath) (replace "/" "--" $m.name) (replace "/" "--" $m.revision) }}
+{{- end }}
+{{- define "baton.hfCheckpoint" -}}
+{{- printf "%s/%s" (include "baton.hfDest" .) (regexReplaceAll "^.*/" .Values.model.name "") }}
+{{- end }}
+
+{{/*
+The init container of model.source hf, in every pod; pass (dict "root" $ "block" BLOCK
+"tokenizerOnly" BOOL). It downloads the model into the model volume (writable here only)
+before the services start; the gateway's skips the weights of a safetensors repo. It runs
+with the pod block's resources (a GGUF conversion holds the model in memory), no GPU.
+*/}}
+{{- define "baton.fetchInit" -}}
+{{- $root := .root }}
+{{- $m := $root.Values.model -}}
+- name: fetch-model
+  image: "{{ $root.Values.image.repository }}:{{ $root.Values.image.tag }}"
+  imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+  args:
+    - fetch-model
+    - --repo
+    - {{ $m.name | quote }}
+    - --revision
+    - {{ $m.revision | quote }}
+    - --dest
+    - {{ include "baton.hfDest" $root | quote }}
+    {{- if $m.ggufFile }}
+    - --gguf-file
+    - {{ $m.ggufFile | quote }}
+    {{- else if .tokenizerOnly }}
+    - --tokenizer-only
+    - "true"
+    {{- end }}
+    {{- if $m.hf.tokenSecret }}
+    - --token-file
+    - {{ printf "%s/%s" (include "baton.secretDir" "hf-token") $m.hf.tokenKey | quote }}
+    {{- end }}
+  env:
+    {{- range include "baton.jitCacheEnv" . | fromYamlArray }}
+    - name: {{ .name }}
+      value: {{ .value | quote }}
+    {{- end }}
+    - name: HF_HUB_DISABLE_TELEMETRY
+      value: "1"
+    {{- if $m.hf.endpoint }}
+    - name: HF_ENDPOINT
+      value: {{ $m.hf.endpoint | quote }}
+    {{- end }}
+  resources:
+    {{- $resources := deepCopy (default dict .block.resources) }}
+    {{- toYaml $resources | nindent 4 }}
+  securityContext:
+    {{- toYaml $root.Values.containerSecurityContext | nindent 4 }}
+  volumeMounts:
+    - name: cache
+      mountPath: {{ include "baton.cacheHome" . }}
+    - name: tmp
+      mountPath: /tmp
+    - name: model
+      mountPath: {{ $m.mountPath }}
+    {{- if $m.hf.tokenSecret }}
+    - name: hf-token
+      mountPath: {{ include "baton.secretDir" "hf-token" }}
+      readOnly: true
+    {{- end }}
+{{- end }}
+
 {{/* Where the model is, as every service's --model sees it. */}}
 {{- define "baton.modelPath" -}}
 {{- if eq .Values.model.source "image" }}
 {{- .Values.model.name }}
+{{- else if eq .Values.model.source "hf" }}
+{{- include "baton.hfCheckpoint" . }}
 {{- else if .Values.model.name }}
 {{- printf "%s/%s" (trimSuffix "/" .Values.model.mountPath) (trimPrefix "/" .Values.model.name) }}
 {{- else }}
@@ -107,7 +212,24 @@ dns:///{{ include "baton.fullname" .root }}-{{ .name }}:{{ .port }}
 {{- end }}
 {{- end }}
 
-{{- define "baton.cacheDir" -}}/home/baton/.cache/baton/models{{- end }}
+{{/* The writable cache emptyDir (the root file system is read-only). */}}
+{{- define "baton.cacheHome" -}}/home/baton/.cache{{- end }}
+{{- define "baton.cacheDir" -}}{{ include "baton.cacheHome" . }}/baton/models{{- end }}
+
+{{/*
+Every JIT cache pointed into the cache emptyDir: Triton (kernels and their launchers,
+compiled at first use), TorchInductor, the CUDA driver's PTX cache and XDG's. Their
+defaults lie under $HOME, which the read-only root makes unwritable. The image sets the
+same values; the chart sets them too, so another image or HOME cannot move them.
+*/}}
+{{- define "baton.jitCacheEnv" -}}
+{{- $home := include "baton.cacheHome" . }}
+- {name: XDG_CACHE_HOME, value: {{ $home | quote }}}
+- {name: TRITON_HOME, value: {{ $home | quote }}}
+- {name: TRITON_CACHE_DIR, value: {{ printf "%s/triton" $home | quote }}}
+- {name: TORCHINDUCTOR_CACHE_DIR, value: {{ printf "%s/torchinductor" $home | quote }}}
+- {name: CUDA_CACHE_PATH, value: {{ printf "%s/nv" $home | quote }}}
+{{- end }}
 
 {{/*
 The Secrets a container role mounts, as a YAML list of {name, secretName}: each is a
@@ -126,7 +248,7 @@ KV needs the fleet's certificate, and workers that hand KV over the fleet secret
 {{- if $s.fleetTls.secretName }}
 - {name: fleet-tls, secretName: {{ $s.fleetTls.secretName | quote }}}
 {{- end }}
-{{- if and (has .role (list "prefill" "decode")) $s.fleetSecret.secretName }}
+{{- if and (has .role (list "prefill" "decode" "pair")) $s.fleetSecret.secretName }}
 - {name: fleet-secret, secretName: {{ $s.fleetSecret.secretName | quote }}}
 {{- end }}
 {{- end }}
@@ -135,7 +257,10 @@ KV needs the fleet's certificate, and workers that hand KV over the fleet secret
 {{- define "baton.secretDir" -}}/etc/baton/{{ . }}{{- end }}
 
 {{/*
-The handler of a container's probes; pass (dict "root" $ "role" ROLE "block" BLOCK).
+The handler of a container's probes; pass (dict "root" $ "role" ROLE "block" BLOCK
+"alive" BOOL). alive: the check passes once the server listens, ready or not (health
+service baton.alive, HTTP /alive), for the gateway's startup and liveness probes, so a
+gateway waiting for its decode workers starts and is not restarted.
 Kubernetes' native gRPC probe dials plaintext, so a TLS port gets another one: python -m
 rpc.probe (a grpc.health.v1 Check over TLS, with the fleet's certificate for mTLS
 workers), or for a TLS gateway with HTTP on an HTTPS GET of /health (200 only while
@@ -147,7 +272,7 @@ SERVING, like the gRPC health).
 {{- if and (eq .role "gateway") $s.gatewayTls.secretName }}
 {{- if .root.Values.http.enabled }}
 httpGet:
-  path: /health
+  path: {{ ternary "/alive" "/health" (default false .alive) }}
   port: http
   scheme: HTTPS
 {{- else }}
@@ -162,10 +287,12 @@ exec:
     - {{ printf "%s/%s" (include "baton.secretDir" "gateway-tls") $s.gatewayTls.caKey | quote }}
     - --tls-server-name
     - {{ required "security.gatewayTls.serverName is required: the gateway's exec probe checks its certificate against it (or turn http on for HTTPS /health probes)" $s.gatewayTls.serverName | quote }}
+    {{- if .alive }}
+    - --service
+    - baton.alive
+    {{- end }}
     - --timeout-s
     - "5"
-# An exec probe starts a Python process: give it more than the 1 s default.
-timeoutSeconds: 10
 {{- end }}
 {{- else if and (ne .role "gateway") $s.fleetTls.secretName }}
 {{- $dir := include "baton.secretDir" "fleet-tls" }}
@@ -186,10 +313,12 @@ exec:
     - {{ $s.fleetTls.serverName | quote }}
     - --timeout-s
     - "5"
-timeoutSeconds: 10
 {{- else }}
 grpc:
   port: {{ .block.port }}
+  {{- if .alive }}
+  service: baton.alive
+  {{- end }}
 {{- end }}
 {{- end }}
 
@@ -200,93 +329,129 @@ grpc:
 {{- max $b.probes.liveness.failureThreshold $need }}
 {{- end }}
 
+{{/* The worker processes a container role runs (the pair: prefill, then decode). */}}
+{{- define "baton.processes" -}}
+{{- if eq . "pair" }}[prefill, decode]{{ else }}[{{ . }}]{{ end }}
+{{- end }}
+
 {{/*
 One container of a role; pass (dict "root" $ "role" ROLE). Flags that locate the process
 (host, ports, drain) are arguments; everything else comes from the ConfigMap as
 BATON_<ROLE>_* environment twins, plus the pod IP as the advertise host of workers and
 their CPU request as the bound of their compute team.
+
+Role "pair" (co-located cuda_ipc) runs the prefill and the decode worker as two processes
+of this one container (baton-entrypoint pair PREFILL_FLAGS -- DECODE_FLAGS), so both use
+the one GPU it requests: CUDA IPC needs both on one device, and the NVIDIA device plugin
+gives every container that requests nvidia.com/gpu devices of its own (two containers
+asking for one each get two different GPUs; one that asks for none gets none). Its
+resources are decode's (size them for both processes); its probes check the decode
+worker (the gateway checks the prefill worker's health itself, and the entrypoint
+restarts the container when either process exits).
 */}}
 {{- define "baton.container" -}}
 {{- $root := .root }}
 {{- $role := .role }}
 {{- $block := index $root.Values (include "baton.roleBlock" $role) }}
-{{- $grpcName := include "baton.grpcPortName" $role -}}
+{{- $processes := include "baton.processes" $role | fromYamlArray -}}
 - name: {{ $role }}
   image: "{{ $root.Values.image.repository }}:{{ $root.Values.image.tag }}"
   imagePullPolicy: {{ $root.Values.image.pullPolicy }}
   args:
     - {{ $role }}
+    {{- range $i, $p := $processes }}
+    {{- $b := index $root.Values (include "baton.roleBlock" $p) }}
+    {{- if $i }}
+    - "--"
+    {{- end }}
     - --host
     - "0.0.0.0"
     - --port
-    - {{ $block.port | quote }}
+    - {{ $b.port | quote }}
     - --metrics-port
-    - {{ $block.metricsPort | quote }}
+    - {{ $b.metricsPort | quote }}
     - --grace-s
-    - {{ $block.graceS | quote }}
-    {{- if and (eq $role "gateway") $root.Values.http.enabled }}
+    - {{ $b.graceS | quote }}
+    {{- if and (eq $p "gateway") $root.Values.http.enabled }}
     - --http-port
     - {{ $root.Values.http.port | quote }}
     {{- end }}
-  {{- if ne $role "gateway" }}
+    {{- end }}
   env:
-    - name: {{ include "baton.envPrefix" $role }}ADVERTISE_HOST
+    {{- range include "baton.jitCacheEnv" . | fromYamlArray }}
+    - name: {{ .name }}
+      value: {{ .value | quote }}
+    {{- end }}
+    {{- range $p := $processes }}
+    {{- if ne $p "gateway" }}
+    - name: {{ include "baton.envPrefix" $p }}ADVERTISE_HOST
       valueFrom:
         fieldRef:
           fieldPath: status.podIP
     {{- /* The cores the pod was granted bound numThreads 0 (rpc.worker_cpus): without
     a CPU limit there is no cgroup quota, and torch would size its team by the node. */}}
-    - name: {{ include "baton.envPrefix" $role }}CPU_LIMIT
+    - name: {{ include "baton.envPrefix" $p }}CPU_LIMIT
       valueFrom:
         resourceFieldRef:
           resource: requests.cpu
           divisor: "1"
-    {{- with $block.env }}
+    {{- end }}
+    {{- end }}
+    {{- range $p := $processes }}
+    {{- with (index $root.Values (include "baton.roleBlock" $p)).env }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
-  {{- else if $block.env }}
-  env:
-    {{- toYaml $block.env | nindent 4 }}
-  {{- end }}
+    {{- end }}
   envFrom:
     - configMapRef:
         name: {{ include "baton.fullname" $root }}-config
   ports:
-    - name: {{ $grpcName }}
-      containerPort: {{ $block.port }}
+    {{- range $p := $processes }}
+    {{- $b := index $root.Values (include "baton.roleBlock" $p) }}
+    - name: {{ include "baton.grpcPortName" $p }}
+      containerPort: {{ $b.port }}
       protocol: TCP
-    {{- if and (eq $role "gateway") $root.Values.http.enabled }}
+    {{- if and (eq $p "gateway") $root.Values.http.enabled }}
     - name: http
       containerPort: {{ $root.Values.http.port }}
       protocol: TCP
     {{- end }}
-    {{- if $block.metricsPort }}
-    - name: {{ include "baton.metricsPortName" $role }}
-      containerPort: {{ $block.metricsPort }}
+    {{- if $b.metricsPort }}
+    - name: {{ include "baton.metricsPortName" $p }}
+      containerPort: {{ $b.metricsPort }}
       protocol: TCP
     {{- end }}
-    {{- if and (eq $role "decode") (include "baton.crossPodKV" $root) }}
+    {{- if and (eq $p "decode") (include "baton.crossPodKV" $root) }}
     - name: kv-store
       containerPort: {{ $root.Values.transfer.storePort }}
       protocol: TCP
     {{- end }}
+    {{- end }}
   {{- $probe := include "baton.probeHandler" (dict "root" $root "role" $role "block" $block) | trim }}
+  {{- $alive := include "baton.probeHandler" (dict "root" $root "role" $role "block" $block "alive" (eq $role "gateway")) | trim }}
+  {{- /* An exec probe starts a Python process: give it at least 10 s. */}}
+  {{- $least := ternary 10 1 (hasPrefix "exec:" $probe) }}
   startupProbe:
-    {{- $probe | nindent 4 }}
+    {{- $alive | nindent 4 }}
     periodSeconds: {{ $block.probes.startup.periodSeconds }}
     failureThreshold: {{ $block.probes.startup.failureThreshold }}
+    timeoutSeconds: {{ max $least (default 1 $block.probes.startup.timeoutSeconds) }}
   readinessProbe:
     {{- $probe | nindent 4 }}
     periodSeconds: {{ $block.probes.readiness.periodSeconds }}
     failureThreshold: {{ $block.probes.readiness.failureThreshold }}
+    timeoutSeconds: {{ max $least (default 1 $block.probes.readiness.timeoutSeconds) }}
   livenessProbe:
-    {{- $probe | nindent 4 }}
+    {{- $alive | nindent 4 }}
     periodSeconds: {{ $block.probes.liveness.periodSeconds }}
     failureThreshold: {{ include "baton.livenessFailures" (dict "block" $block) }}
+    timeoutSeconds: {{ max $least (default 1 $block.probes.liveness.timeoutSeconds) }}
+  {{- if $block.preStopSleepS }}
   lifecycle:
     preStop:
       sleep:
         seconds: {{ $block.preStopSleepS }}
+  {{- end }}
   resources:
     {{- $resources := deepCopy (default dict $block.resources) }}
     {{- if $block.gpus }}
@@ -302,7 +467,7 @@ their CPU request as the bound of their compute team.
     {{- toYaml $root.Values.containerSecurityContext | nindent 4 }}
   volumeMounts:
     - name: cache
-      mountPath: /home/baton/.cache
+      mountPath: {{ include "baton.cacheHome" . }}
     - name: tmp
       mountPath: /tmp
     {{- if ne $root.Values.model.source "image" }}
@@ -310,7 +475,7 @@ their CPU request as the bound of their compute team.
       mountPath: {{ $root.Values.model.mountPath }}
       readOnly: true
     {{- end }}
-    {{- if and (eq $root.Values.mode "colocated") (ne $role "gateway") }}
+    {{- if include "baton.sharedMemory" (dict "root" $root "block" (include "baton.roleBlock" $role)) }}
     - name: dshm
       mountPath: /dev/shm
     {{- end }}
