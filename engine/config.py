@@ -161,6 +161,11 @@ class EngineConfig:
     # weights (engine.kernels.ops.pack_panels), a further copy of them in fp32 (~0.5 GB
     # for SmolLM2-135M). Workers that only prefill leave it off (rpc.worker_config).
     linear_panels: bool = True
+    # Most prompt tokens a step that also decodes may carry (0: no bound beyond
+    # max_num_batched_tokens). Bounds what a prompt prefilled on a decode worker adds to
+    # the inter-token latency of the streams it runs; decode workers default to 128
+    # (rpc.worker_config).
+    max_prefill_tokens_while_decoding: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
@@ -189,3 +194,8 @@ class EngineConfig:
             raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
         if self.kv_growth_tokens < 0:
             raise ValueError(f"kv_growth_tokens must be >= 0, got {self.kv_growth_tokens}")
+        if self.max_prefill_tokens_while_decoding < 0:
+            raise ValueError(
+                "max_prefill_tokens_while_decoding must be >= 0, got "
+                f"{self.max_prefill_tokens_while_decoding}"
+            )
