@@ -1,8 +1,10 @@
 """The DecodeWorker service: wiring only.
 
-Single-process mode (role ``both``) runs the prompt in this worker's engine. Otherwise
-the KV hand-off with the prefill worker the gateway chose (if it is in this worker's
-fleet, ``decode_service.prefill_fleet``) runs in ``decode_service.handoff`` (reserve,
+Single-process mode (role ``both``) runs the prompt in this worker's engine, and so does a
+decode worker asked with no prefill address (the gateway's conditional disaggregation: a
+short or mostly cached prompt). Otherwise the KV hand-off with the prefill worker the
+gateway chose (if it is in this worker's fleet, ``decode_service.prefill_fleet``) runs
+in ``decode_service.handoff`` (reserve,
 lease, prefill, verify, ack), over a ``GrpcPrefillLink`` (mTLS when configured). Stats
 and health come from the engine's published snapshot. If the engine thread or the KV
 receiver's thread dies, open streams end with UNAVAILABLE (those still in their
@@ -272,9 +274,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     "(single-process)"
                 )
             outputs = self._generate(rid, prompt, params, parent)
+        elif not request.prefill_address:
+            # Conditional disaggregation: the gateway keeps a short or mostly cached prompt
+            # here, where its prefix cache serves what it holds and the rest is chunked
+            # into steps bounded by --max-prefill-tokens-while-decoding.
+            outputs = self._generate(rid, prompt, params, parent)
         else:
-            if not request.prefill_address:
-                raise ValueError("prefill_address is required: this worker only decodes")
             await self.prefill_fleet.check(request.prefill_address)
             assert self.handoff is not None
             remaining = context.time_remaining()
@@ -292,7 +297,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     async def _generate(
         self, rid: str, prompt: list[int], params: SamplingParams, parent: Context
     ) -> AsyncIterator[RequestOutput]:
-        """Single-process: the prompt and the decode in this engine, one span."""
+        """The prompt and the decode in this engine, one span (single-process, or a prompt
+        the gateway chose to prefill on this decode worker)."""
         outputs = self._engine().generate(rid, prompt, params)
         with span(self._tracer, "decode.generate", parent, request_id=rid):
             async with contextlib.aclosing(outputs):

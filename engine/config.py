@@ -171,6 +171,11 @@ class EngineConfig:
     # GPU: when the Triton attention kernels do not build at start, "none" fails the
     # start; "torch" serves on the plain-torch runner (slower, logged, metric-visible).
     attention_fallback: str = "none"
+    # Most prompt tokens a step that also decodes may carry (0: no bound beyond
+    # max_num_batched_tokens). Bounds what a prompt prefilled on a decode worker adds to
+    # the inter-token latency of the streams it runs; decode workers default to 128
+    # (rpc.worker_config).
+    max_prefill_tokens_while_decoding: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
@@ -206,4 +211,9 @@ class EngineConfig:
         if self.attention_fallback not in ("none", "torch"):
             raise ValueError(
                 f"attention_fallback must be 'none' or 'torch', got {self.attention_fallback!r}"
+            )
+        if self.max_prefill_tokens_while_decoding < 0:
+            raise ValueError(
+                "max_prefill_tokens_while_decoding must be >= 0, got "
+                f"{self.max_prefill_tokens_while_decoding}"
             )

@@ -89,6 +89,7 @@ class EngineCore:
             max_model_len=max_len,
             max_queued=cfg.max_queued_requests,
             growth_tokens=cfg.kv_growth_tokens,
+            max_prefill_while_decoding=cfg.max_prefill_tokens_while_decoding,
         )
         logger.info(
             "engine ready: model=%s dtype=%s blocks=%d (%.1f MiB KV) max_model_len=%d",

@@ -92,6 +92,7 @@ class Scheduler:
         max_model_len: int,
         max_queued: int = 256,
         growth_tokens: int = 0,
+        max_prefill_while_decoding: int = 0,
     ):
         if max_queued < 1:
             raise ValueError(f"max_queued must be >= 1, got {max_queued}")
@@ -114,6 +115,8 @@ class Scheduler:
         # A reservation must leave free the blocks every admitted request needs for its
         # next ``growth_tokens`` tokens (capped by its max_tokens): the watermark.
         self.growth_tokens = growth_tokens
+        # Prompt tokens a step that also decodes may carry (0: only the step budget).
+        self.max_prefill_while_decoding = max_prefill_while_decoding
         self.held: dict[str, list[int]] = {}  # finished, blocks kept for a transfer
         self._step_id = 0
         self.num_preemptions = 0
@@ -338,6 +341,9 @@ class Scheduler:
         # Running decodes first, then the rest of running chunked prefills, so a long
         # prompt never starves the tokens of requests already generating.
         for decodes in (True, False):
+            if not decodes and out.seqs and self.max_prefill_while_decoding:
+                # Streams are decoding in this step: bound what prompts add to it.
+                budget = min(budget, self.max_prefill_while_decoding)
             i = 0
             while i < len(self.running) and budget > 0:
                 req = self.running[i]

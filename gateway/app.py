@@ -96,6 +96,8 @@ class Gateway:
             same_host_prefill=config.same_host_prefill,
             kv_feed=KVFeed(KVIndex(), self.channels) if config.routing == "kv" else None,
             cache_weight=config.kv_cache_weight,
+            local_prefill_tokens=config.local_prefill_tokens,
+            local_cached_fraction=config.local_prefill_cached_fraction,
         )
         tracer = (tracer_provider or trace.NoOpTracerProvider()).get_tracer("baton.gateway")
         self.dispatcher = Dispatcher(
@@ -112,7 +114,12 @@ class Gateway:
             )
             registry.register(
                 RoutingCollector(
-                    lambda: (self.router.routed_prompt_tokens, self.router.routed_cached_tokens)
+                    lambda: (
+                        self.router.routed_prompt_tokens,
+                        self.router.routed_cached_tokens,
+                        self.router.local_prefills,
+                        self.router.remote_prefills,
+                    )
                 )
             )
             registry.register(

@@ -58,6 +58,10 @@ class GatewayConfig:
     routing: str = "kv"
     # How much one cached prompt token counts against one queued token (kv routing).
     kv_cache_weight: float = 1.0
+    # Conditional disaggregation (kv routing): prefill on the decode worker a prompt of
+    # which it lacks at most this many tokens (0: never), or holds this fraction.
+    local_prefill_tokens: int = 256
+    local_prefill_cached_fraction: float = 0.8
     metrics_port: int = 0  # Prometheus metrics over HTTP on this port; 0: off
     log_level: str = "INFO"
     # --- OpenAI-compatible HTTP and traces (gateway.http_server, rpc.tracing) ---
@@ -109,6 +113,13 @@ class GatewayConfig:
             raise ValueError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
         if not self.kv_cache_weight >= 0:
             raise ValueError(f"kv_cache_weight must be >= 0, got {self.kv_cache_weight}")
+        if self.local_prefill_tokens < 0:
+            raise ValueError(f"local_prefill_tokens must be >= 0, got {self.local_prefill_tokens}")
+        if not 0.0 < self.local_prefill_cached_fraction <= 1.0:
+            raise ValueError(
+                "local_prefill_cached_fraction must be in (0, 1], got "
+                f"{self.local_prefill_cached_fraction}"
+            )
         if self.max_migrations < 0:
             raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
         if self.grace_s < 0:
@@ -227,6 +238,8 @@ _FIELDS: dict[str, Callable[[str], Any]] = {
     "same_host_prefill": _bool,
     "routing": str,
     "kv_cache_weight": float,
+    "local_prefill_tokens": int,
+    "local_prefill_cached_fraction": float,
     "metrics_port": int,
     "log_level": str.upper,
     "http_port": int,
@@ -306,6 +319,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--kv-cache-weight",
         help="kv routing: how much a cached prompt token counts against a queued one (1.0)",
+    )
+    p.add_argument(
+        "--local-prefill-tokens",
+        help="kv routing, disaggregated: prefill a prompt on the decode worker itself when "
+        "it lacks at most this many of its tokens and has no more than that queued (256; "
+        "0: always on a prefill worker)",
+    )
+    p.add_argument(
+        "--local-prefill-cached-fraction",
+        help="... or when the decode worker holds at least this fraction of the prompt (0.8)",
     )
     p.add_argument("--metrics-port", help="serve Prometheus metrics on this port; 0: off (0)")
     p.add_argument(

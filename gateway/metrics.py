@@ -163,16 +163,28 @@ class WorkersCollector(Collector):
 class RoutingCollector(Collector):
     """``baton_routed_prompt_tokens_total`` and ``baton_routed_cached_prompt_tokens_total``:
     prompt tokens routed with cache-aware routing, and of those the ones the chosen worker
-    already held (their ratio is the routing's prefix hit rate)."""
+    already held (their ratio is the routing's prefix hit rate); ``baton_prefills_total
+    {where}``: where disaggregated prompts were prefilled."""
 
-    def __init__(self, counts: Callable[[], tuple[int, int]]) -> None:
-        self._counts = counts  # (routed, cached), read on the metrics thread
+    def __init__(self, counts: Callable[[], tuple[int, int, int, int]]) -> None:
+        # (routed, cached, local prefills, remote prefills), read on the metrics thread
+        self._counts = counts
 
     def describe(self) -> list[Metric]:
         return []
 
     def collect(self) -> Iterator[Metric]:
-        routed, cached = self._counts()
+        routed, cached, local, remote = self._counts()
+        where = CounterMetricFamily(
+            "baton_prefills",
+            "Prompts routed in disaggregated mode, by where they were prefilled: on a "
+            "prefill worker (remote) or on the decode worker itself (local: conditional "
+            "disaggregation).",
+            labels=["where"],
+        )
+        where.add_metric(["local"], local)
+        where.add_metric(["remote"], remote)
+        yield where
         yield CounterMetricFamily(
             "baton_routed_prompt_tokens",
             "Prompt tokens routed by cache-aware routing (--routing kv).",

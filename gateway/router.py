@@ -78,6 +78,8 @@ class Router:
         same_host_prefill: bool = False,
         kv_feed: KVFeed | None = None,
         cache_weight: float = 1.0,
+        local_prefill_tokens: int = 0,
+        local_cached_fraction: float = 1.0,
     ) -> None:
         if not decode:
             raise ValueError("decode must list at least one worker target")
@@ -97,6 +99,19 @@ class Router:
         # cached prompt token counts against a queued one.
         self._kv_feed = kv_feed
         self._cache_weight = cache_weight
+        if local_prefill_tokens < 0:
+            raise ValueError(f"local_prefill_tokens must be >= 0, got {local_prefill_tokens}")
+        if not 0.0 < local_cached_fraction <= 1.0:
+            raise ValueError(
+                f"local_cached_fraction must be in (0, 1], got {local_cached_fraction}"
+            )
+        # Conditional disaggregation (kv routing only): a prompt whose uncached part on a
+        # decode worker is at most local_prefill_tokens, or of which that worker holds at
+        # least local_cached_fraction, is prefilled there instead of on a prefill worker.
+        self._local_prefill_tokens = local_prefill_tokens
+        self._local_cached_fraction = local_cached_fraction
+        self.local_prefills = 0
+        self.remote_prefills = 0
         # Prompt tokens routed, and of those the ones the chosen worker held (kv routing).
         self.routed_prompt_tokens = 0
         self.routed_cached_tokens = 0
@@ -207,13 +222,49 @@ class Router:
         if self.single_process:
             decode = self._best(WorkerKind.DECODE, avoid_decode, prompt=hashes)
             self._uncached(decode, num_prompt_tokens, hashes)
+        elif (
+            hashes is not None
+            and self._local_prefill_tokens
+            and (local := self._local(avoid_decode, hashes)) is not None
+        ):
+            decode = local
+            decode.prompt_tokens_since_poll += self._uncached(decode, num_prompt_tokens, hashes)
+            self.local_prefills += 1
         else:
             decode = self._best(WorkerKind.DECODE, avoid_decode)
             chosen = self._best(WorkerKind.PREFILL, avoid_prefill, prompt=hashes)
             chosen.prompt_tokens_since_poll += self._uncached(chosen, num_prompt_tokens, hashes)
             prefill = chosen.address
+            self.remote_prefills += 1
         decode.picks_since_poll += 1
         return Route(decode=decode.address, prefill=prefill)
+
+    def _local(self, avoid: Collection[str], prompt: PromptHashes) -> WorkerState | None:
+        """The decode worker to prefill ``prompt`` on itself, if one qualifies: up, not
+        full, not avoided, holding all but ``local_prefill_tokens`` of the prompt or at
+        least ``local_cached_fraction`` of it, and with no prompt tokens queued (its
+        report plus this gateway's local picks since) or few enough that they and this
+        prompt's uncached ones stay within ``local_prefill_tokens``; the one holding
+        most, then the best by free blocks and load."""
+        assert self._kv_feed is not None
+        index = self._kv_feed.index
+        n = len(prompt.token_ids)
+        best: tuple[int, float, WorkerState] | None = None
+        for w in self._workers[WorkerKind.DECODE].values():
+            if not w.up or w.full or w.address in avoid:
+                continue
+            cached = min(n, index.cached_tokens(w.address, prompt))
+            pending = w.queued_prompt_tokens + w.prompt_tokens_since_poll
+            if pending and pending + n - cached > self._local_prefill_tokens:
+                continue  # busy with prompts already: this one goes to a prefill worker
+            if n - cached > self._local_prefill_tokens and (
+                cached < self._local_cached_fraction * n or not cached
+            ):
+                continue
+            key = (cached, w.decode_score(), w)
+            if best is None or key[:2] > best[:2]:
+                best = key
+        return None if best is None else best[2]
 
     def _uncached(self, worker: WorkerState, n: int, prompt: PromptHashes | None) -> int:
         """Prompt tokens ``worker`` would compute (all of them when its cache is unknown)."""
@@ -463,8 +514,12 @@ class Router:
             )
 
     def _runs_prompts(self, kind: WorkerKind) -> bool:
-        """Whether workers of ``kind`` run prompts here: their cache decides routing."""
-        return kind is (WorkerKind.DECODE if self.single_process else WorkerKind.PREFILL)
+        """Whether the cache of workers of ``kind`` decides routing: decode workers' in
+        single-process mode and under conditional disaggregation, prefill workers'
+        otherwise."""
+        if kind is WorkerKind.DECODE:
+            return self.single_process or self._local_prefill_tokens > 0
+        return not self.single_process
 
     async def _poll_forever(self, worker: WorkerState) -> None:
         while True:

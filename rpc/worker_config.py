@@ -192,6 +192,9 @@ class WorkerConfig:
         _resolve_addresses(role, worker)
         # A prefill worker's batches are prompt chunks: panels would rarely serve them.
         engine.setdefault("linear_panels", role != "prefill")
+        # A decode worker prefills a prompt only when the gateway keeps a short or mostly
+        # cached one local (conditional disaggregation): bound its cost to running streams.
+        engine.setdefault("max_prefill_tokens_while_decoding", 128 if role == "decode" else 0)
         return cls(role=role, engine=EngineConfig(**engine), **worker), bool(args.check_config)
 
 
@@ -281,6 +284,7 @@ _FIELDS: dict[str, tuple[Callable[[str], Any], str]] = {
     "kv_growth_tokens": (int, "engine"),
     "linear_panels": (_bool, "engine"),
     "cpu_kernels": (str.lower, "engine"),
+    "max_prefill_tokens_while_decoding": (int, "engine"),
     "tls_cert": (Path, "worker"),
     "tls_key": (Path, "worker"),
     "tls_ca": (Path, "worker"),
@@ -346,6 +350,9 @@ _HELP = {
     "cpu_kernels": "CPU: the kernel of each class of linear layer: auto (measured on the "
     "model at start-up, cached per host under ~/.cache/baton/kernel_routes), measure (always "
     "measured), default (the built-in constants), onednn or torch (every class on that one)",
+    "max_prefill_tokens_while_decoding": "most prompt tokens a step that also decodes may "
+    "carry (a prompt prefilled on a decode worker); 0: only --max-num-batched-tokens "
+    "(default 128 for decode workers, 0 otherwise)",
     "tls_cert": "this worker's certificate (PEM); with --tls-key and --tls-ca: mTLS",
     "tls_key": "this worker's private key (PEM)",
     "tls_ca": "the fleet's CA bundle (PEM): clients and prefill peers must be signed by it",
@@ -366,7 +373,13 @@ _HELP = {
 
 def defaults(role: str) -> dict[str, Any]:
     """Every flag's default for ``role`` (for the README's configuration table)."""
-    cfg = WorkerConfig(role=role, engine=EngineConfig(linear_panels=role != "prefill"))
+    cfg = WorkerConfig(
+        role=role,
+        engine=EngineConfig(
+            linear_panels=role != "prefill",
+            max_prefill_tokens_while_decoding=128 if role == "decode" else 0,
+        ),
+    )
     out = {f.name: getattr(cfg.engine, f.name) for f in dataclasses.fields(cfg.engine)}
     out.update(
         {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "engine"}

@@ -124,7 +124,10 @@ def tiny_cluster(
         num_decode=num_decode,
         dtype="float32",
         worker_args=("--num-threads", "1", *worker_args),
-        gateway_args=("--stats-interval-s", "0.1", *gateway_args),
+        # Every prompt goes through the prefill worker unless a test asks otherwise: these
+        # clusters exist to exercise the hand-off (test_e2e_conditional_prefill turns the
+        # gateway's local prefill back on).
+        gateway_args=("--stats-interval-s", "0.1", "--local-prefill-tokens", "0", *gateway_args),
         start_timeout_s=180.0,
         log_level="INFO",
         http_port=http_port,

@@ -188,6 +188,7 @@ def make_scheduler(
     enable_prefix_caching: bool = True,
     max_queued: int = 256,
     growth_tokens: int = 0,
+    max_prefill_while_decoding: int = 0,
 ) -> Scheduler:
     pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
     return Scheduler(
@@ -197,6 +198,7 @@ def make_scheduler(
         max_model_len=max_model_len,
         max_queued=max_queued,
         growth_tokens=growth_tokens,
+        max_prefill_while_decoding=max_prefill_while_decoding,
     )
 
 

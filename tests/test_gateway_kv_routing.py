@@ -7,7 +7,7 @@ from __future__ import annotations
 from engine.kv_events import prefix_block_hashes
 from gateway.kv_feed import KVFeed
 from gateway.kv_index import KVIndex
-from gateway.router import Router, WorkerKind
+from gateway.router import Route, Router, WorkerKind
 from protos.baton.v1 import worker_pb2
 from rpc.channels import ChannelCache
 
@@ -98,3 +98,57 @@ async def test_a_worker_that_leaves_its_fleet_loses_its_entries() -> None:
     assert not index.known("p1:1")
     assert r.pick(len(PROMPT), prompt=PROMPT).prefill == "p0:1"
     await r.close()
+
+
+def conditional(
+    *, tokens: int = 64, fraction: float = 0.8, decode: int = 2
+) -> tuple[Router, KVIndex]:
+    index = KVIndex()
+    channels = ChannelCache()
+    r = Router(
+        [f"d{i}:1" for i in range(decode)],
+        ["p0:1"],
+        channels,
+        kv_feed=KVFeed(index, channels),
+        local_prefill_tokens=tokens,
+        local_cached_fraction=fraction,
+    )
+    for w in r.workers:
+        w.update(worker_pb2.WorkerStats(free_kv_blocks=100))
+    return r, index
+
+
+def test_a_short_prompt_is_prefilled_on_the_decode_worker() -> None:
+    r, _ = conditional()
+    route = r.pick(40, prompt=PROMPT[:40])
+    assert route.prefill == "" and route.decode in ("d0:1", "d1:1")
+    assert (r.local_prefills, r.remote_prefills) == (1, 0)
+    assert r.pick(len(PROMPT), prompt=PROMPT).prefill == "p0:1"  # 160 uncached > 64
+    assert (r.local_prefills, r.remote_prefills) == (1, 1)
+
+
+def test_a_prompt_mostly_held_by_a_decode_worker_stays_there() -> None:
+    r, index = conditional(tokens=16)
+    cache(index, "d1:1", 8)  # 128 of 160 = 0.8, 32 uncached > 16
+    route = r.pick(len(PROMPT), prompt=PROMPT)
+    assert route == Route(decode="d1:1", prefill="")
+    r2, index2 = conditional(tokens=16)
+    cache(index2, "d1:1", 7)  # 0.7: not enough
+    assert r2.pick(len(PROMPT), prompt=PROMPT).prefill == "p0:1"
+
+
+def test_a_decode_worker_busy_with_prompts_sends_the_next_one_to_prefill() -> None:
+    r, _ = conditional(tokens=64, decode=1)
+    assert r.pick(40, prompt=PROMPT[:40]).prefill == ""
+    # 40 queued there now (this gateway's pick); 40 more would pass 64.
+    assert r.pick(40, prompt=PROMPT[40:80]).prefill == "p0:1"
+    d0 = next(w for w in r.workers if w.address == "d0:1")
+    d0.update(worker_pb2.WorkerStats(free_kv_blocks=100))  # its report: nothing queued
+    assert r.pick(40, prompt=PROMPT[80:120]).prefill == ""
+
+
+def test_zero_local_tokens_turns_conditional_disaggregation_off() -> None:
+    r, index = conditional(tokens=0)
+    cache(index, "d0:1", 10)
+    assert r.pick(len(PROMPT), prompt=PROMPT).prefill == "p0:1"
+    assert r.pick(3, prompt=PROMPT[:3]).prefill == "p0:1"

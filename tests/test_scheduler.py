@@ -118,6 +118,26 @@ def test_running_decodes_are_scheduled_before_a_new_prefill() -> None:
     assert shape(step(d)) == [("a", 4, 1, True), ("b", 4, 1, True), ("c", 6, 6, False)]
 
 
+def test_prompt_tokens_in_a_step_that_decodes_are_bounded() -> None:
+    """A decode worker prefilling a prompt itself (conditional disaggregation) adds at most
+    ``max_prefill_while_decoding`` prompt tokens to a step its streams decode in; alone,
+    a prompt takes the whole step budget."""
+    sched = make_scheduler(max_num_batched_tokens=16, max_prefill_while_decoding=5)
+    d = Driver.build(sched)
+    sched.add(make_request("long", prompt(9, 40), max_tokens=30))
+    assert shape(step(d)) == [("long", 0, 16, False)]  # nothing decodes: the full budget
+    for _ in range(3):
+        step(d)  # long's prompt done; it decodes from now on
+    sched.add(make_request("b", prompt(2, 30), max_tokens=2))
+    prefill_per_step = []
+    while "b" not in d.finish:
+        out = step(d)
+        assert any(n == 1 for _, _, n, _ in shape(out)), "long decodes in every step"
+        prefill_per_step.append(sum(n for _, _, n, _ in shape(out) if n > 1))
+    assert max(prefill_per_step) == 5, prefill_per_step  # the bound, reached, never passed
+    assert sum(prefill_per_step) == 30  # all of b's prompt, 5 tokens a step
+
+
 def test_a_long_prompt_is_chunked_and_only_its_last_chunk_samples() -> None:
     sched = make_scheduler(block_size=4, max_num_batched_tokens=16)
     d = Driver.build(sched)
