@@ -59,9 +59,12 @@ class GatewayConfig:
     # How much one cached prompt token counts against one queued token (kv routing).
     kv_cache_weight: float = 1.0
     # Conditional disaggregation (kv routing): prefill on the decode worker a prompt of
-    # which it lacks at most this many tokens (0: never), or holds this fraction.
-    local_prefill_tokens: int = 256
-    local_prefill_cached_fraction: float = 0.8
+    # which it lacks at most this many tokens (0: never), or holds this fraction. Measured
+    # (benchmarks/results/local_prefill_*): on one host, local prefill was faster only at
+    # 16 tokens (0.77x remote TTFT; 0.98-1.06x from 64 to 1024) and tripled the ITL of
+    # the decode worker's running streams, so only the shortest prompts stay local.
+    local_prefill_tokens: int = 16
+    local_prefill_cached_fraction: float = 1.0
     metrics_port: int = 0  # Prometheus metrics over HTTP on this port; 0: off
     log_level: str = "INFO"
     # --- OpenAI-compatible HTTP and traces (gateway.http_server, rpc.tracing) ---
@@ -323,12 +326,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--local-prefill-tokens",
         help="kv routing, disaggregated: prefill a prompt on the decode worker itself when "
-        "it lacks at most this many of its tokens and has no more than that queued (256; "
+        "it lacks at most this many of its tokens and has no more than that queued (16; "
         "0: always on a prefill worker)",
     )
     p.add_argument(
         "--local-prefill-cached-fraction",
-        help="... or when the decode worker holds at least this fraction of the prompt (0.8)",
+        help="... or when the decode worker holds at least this fraction of the prompt (1.0)",
     )
     p.add_argument("--metrics-port", help="serve Prometheus metrics on this port; 0: off (0)")
     p.add_argument(

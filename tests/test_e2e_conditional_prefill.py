@@ -3,7 +3,7 @@ the decode worker mostly holds, are prefilled on the decode worker itself; a lon
 goes to the prefill worker. Every path gives HF's greedy tokens (fp32, up to a near tie).
 
 The tiny model, one prefill and one decode worker, the gateway with
-``--local-prefill-tokens 48`` (and the default 0.8 cached fraction). Where each prompt
+``--local-prefill-tokens 48 --local-prefill-cached-fraction 0.8``. Where each prompt
 was prefilled is read from the gateway's ``baton_prefills_total{where}``; the follow-up's
 reuse from the decode worker's own prefix-cache hits.
 """
@@ -40,7 +40,7 @@ def cluster(tiny_llama: Path) -> Iterator[E2ECluster]:
         tiny_llama,
         num_prefill=1,
         num_decode=1,
-        gateway_args=("--local-prefill-tokens", "48"),
+        gateway_args=("--local-prefill-tokens", "48", "--local-prefill-cached-fraction", "0.8"),
         metrics=True,
     ) as c:
         yield c

@@ -68,6 +68,7 @@ async def running_gateway(
     registry: CollectorRegistry | None = None,
     max_migrations: int = 3,
     tracer_provider: object = None,
+    local_prefill_tokens: int = 0,
 ) -> AsyncIterator[Running]:
     config = GatewayConfig(
         decode=tuple(d.address for d in decode),
@@ -75,6 +76,9 @@ async def running_gateway(
         port=0,
         max_retries=max_retries,
         max_migrations=max_migrations,
+        # Every prompt to the prefill worker these tests route (conditional
+        # disaggregation has its own tests).
+        local_prefill_tokens=local_prefill_tokens,
         grace_s=1.0,
         stats_interval_s=0.05,
         stats_timeout_s=0.5,

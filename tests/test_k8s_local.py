@@ -50,7 +50,10 @@ def values_for(model_dir: Path) -> dict:
         "model": {"source": "hostPath", "hostPath": str(model_dir), "name": ""},
         "engine": {"dtype": "float32", "numThreads": 1, "numBlocks": 256, "maxNumSeqs": 8},
         "transfer": {"transport": "gloo"},
-        "gateway": {"settings": {"statsIntervalS": 0.1, "resolveIntervalS": 0.5}},
+        # Every prompt crosses to a prefill worker: the KV over gloo is under test.
+        "gateway": {
+            "settings": {"statsIntervalS": 0.1, "resolveIntervalS": 0.5, "localPrefillTokens": 0}
+        },
         "prefill": {"replicas": 2},
         "decode": {"replicas": 2},
         "security": {"prefillAllowList": False},

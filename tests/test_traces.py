@@ -137,6 +137,7 @@ async def services(tiny_llama: Path, served_smollm2: ServedModel) -> AsyncIterat
             port=0,
             max_retries=0,
             grace_s=0.0,
+            local_prefill_tokens=0,  # the hand-off's spans and phases are under test
             stats_interval_s=0.05,
             stats_timeout_s=0.5,
         )
