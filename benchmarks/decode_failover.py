@@ -175,7 +175,14 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
         num_prefill=1,
         num_decode=2,
         dtype=opts.dtype,
-        worker_args=("--max-model-len", str(opts.max_model_len)),
+        # The phases send the same prompts: without the prefix cache each phase computes
+        # them afresh, so the phases compare like with like.
+        worker_args=(
+            "--max-model-len",
+            str(opts.max_model_len),
+            "--enable-prefix-caching",
+            "false",
+        ),
         start_timeout_s=600.0,
     )
     phases: dict[str, Any] = {}
@@ -301,7 +308,8 @@ def main(argv: list[str] | None = None) -> Path:
         f"Load average (1 min): {load_before[0]:.2f} before, {load_after[0]:.2f} after",
         "",
         f"Model {opts.model}, {opts.dtype}; {opts.requests} W1 requests at {opts.rate} req/s "
-        "(Poisson); 1 prefill + 2 decode workers over shm, default flags.",
+        "(Poisson); 1 prefill + 2 decode workers over shm, default flags but the prefix "
+        "cache off (every phase sends the same prompts).",
     ]
     text = render(raw, header)
     raw.update(date=now.isoformat(timespec="seconds"), command=command.strip())
