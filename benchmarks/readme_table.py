@@ -66,8 +66,20 @@ def w1_section(path: Path) -> list[str]:
         "",
         f"From [`{_rel(path)}`]({_rel(path)}): `{raw.get('command', '?')}`, "
         f"{raw.get('date', '?')}, git {raw.get('git_revision', 'unknown')}, "
-        f"{raw.get('machine', 'machine not recorded')}.",
+        f"{raw.get('machine', 'machine not recorded')}; host kind: "
+        f"{raw.get('host_kind', 'not recorded')} (kernel speed, and so these ratios, "
+        "depend on it: an AMX host runs oneDNN's bf16 GEMM several times faster).",
     ]
+    if raw.get("cpu_kernel_routes"):
+        routes = raw["cpu_kernel_routes"]
+        lines.append(
+            "baton's CPU kernel routes, measured at start-up: "
+            + "; ".join(
+                f"{dtype}: " + ", ".join(f"{k}={v}" for k, v in sorted(r.items()))
+                for dtype, r in sorted(routes.items())
+            )
+            + "."
+        )
     if limit not in ("None", None):
         lines.append(f"A partial run (`--limit {limit}`), not the whole of W1.")
     if busy:
