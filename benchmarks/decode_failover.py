@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import common
-from benchmarks.provenance import git_revision, isa_line, machine
+from benchmarks.provenance import header_lines
 from benchmarks.serving import percentile
 
 REPO = Path(__file__).resolve().parent.parent
@@ -302,10 +302,7 @@ def main(argv: list[str] | None = None) -> Path:
     header = [
         f"# Decode fail-over under load, {now:%Y-%m-%d %H:%M}",
         "",
-        f"Command: `{command.strip()}`  ",
-        f"Date: {now:%Y-%m-%d %H:%M}; git revision: {git_revision()}  ",
-        f"Machine: {machine()}; CPU flags: {isa_line()}  ",
-        f"Load average (1 min): {load_before[0]:.2f} before, {load_after[0]:.2f} after",
+        *header_lines(command.strip(), None, load_before, load_after, now),
         "",
         f"Model {opts.model}, {opts.dtype}; {opts.requests} W1 requests at {opts.rate} req/s "
         "(Poisson); 1 prefill + 2 decode workers over shm, default flags but the prefix "

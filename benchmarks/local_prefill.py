@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import common
-from benchmarks.provenance import git_revision, isa_line, machine
+from benchmarks.provenance import header_lines
 from benchmarks.serving import percentile
 
 REPO = Path(__file__).resolve().parent.parent
@@ -175,10 +175,7 @@ def main(argv: list[str] | None = None) -> Path:
     header = [
         f"# Local against remote prefill, {now:%Y-%m-%d %H:%M}",
         "",
-        f"Command: `{command}`  ",
-        f"Date: {now:%Y-%m-%d %H:%M}; git revision: {git_revision()}  ",
-        f"Machine: {machine()}; CPU flags: {isa_line()}  ",
-        f"Load average (1 min): {load_before[0]:.2f} before, {load_after[0]:.2f} after",
+        *header_lines(command.strip(), None, load_before, load_after, now),
         "",
         f"Model {opts.model}, {opts.dtype}; 1 prefill + 1 decode worker over shm, the "
         f"launcher's core plan; {opts.repeats} prompts per length per round, "

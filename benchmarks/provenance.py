@@ -103,17 +103,19 @@ def is_busy(load: float, cpus: int | None = None) -> bool:
 
 def header_lines(
     command: str,
-    threads: int,
+    threads: int | None,
     load_before: tuple[float, float, float],
     load_after: tuple[float, float, float],
     when: dt.datetime | None = None,
 ) -> list[str]:
-    """The provenance lines every results file starts with (markdown)."""
+    """The provenance lines every results file starts with (markdown); ``threads`` None
+    for a harness whose processes size their own teams."""
     when = when or dt.datetime.now()
+    team = "" if threads is None else f"; {threads} torch threads"
     return [
         f"Command: `{command}`  ",
         f"Date: {when:%Y-%m-%d %H:%M}; git revision: {git_revision()}  ",
-        f"Machine: {machine()}; {threads} torch threads  ",
+        f"Machine: {machine()}{team}  ",
         f"{isa_line()}  ",
         f"Load average (1/5/15 min): {'/'.join(f'{x:.2f}' for x in load_before)} before,"
         f" {'/'.join(f'{x:.2f}' for x in load_after)} after",

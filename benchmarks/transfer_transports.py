@@ -34,7 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from benchmarks.provenance import git_revision, isa_flags, machine
+from benchmarks.provenance import header_lines, isa_line, machine
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_SIZES = (64 << 10, 1 << 20, 32 << 20)
@@ -228,11 +228,8 @@ def main(argv: list[str] | None = None) -> Path:
     header = [
         f"# KV transports side by side, {now:%Y-%m-%d %H:%M}",
         "",
-        f"Command: `{command.strip()}`  ",
-        f"Date: {now:%Y-%m-%d %H:%M}; git revision: {git_revision()}  ",
-        f"Machine: {machine()}; CPU flags: {isa_flags()}  ",
-        f"UCX_TLS: {os.environ.get('UCX_TLS', '(unset: UCX picks)')}  ",
-        f"Load average (1 min): {load_before[0]:.2f} before, {load_after[0]:.2f} after",
+        *header_lines(command.strip(), None, load_before, load_after, now),
+        f"UCX_TLS: {os.environ.get('UCX_TLS', '(unset: UCX picks)')}",
         "",
         f"{opts.leases} leases per transport and size, the same scattered blocks for every "
         f"transport; best of {opts.rounds} rounds. Sender and receiver in one process, own "
@@ -245,7 +242,7 @@ def main(argv: list[str] | None = None) -> Path:
         "date": now.isoformat(timespec="seconds"),
         "command": command.strip(),
         "machine": machine(),
-        "cpu_flags": isa_flags(),
+        "cpu_flags": isa_line(),
         "rows": rows,
     }
     stem.with_suffix(".json").write_text(json.dumps(raw, indent=2) + "\n")

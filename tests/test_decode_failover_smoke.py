@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks import common, decode_failover
+from benchmarks import common, decode_failover, provenance
 
 OUTPUT_TOKENS = 400
 
@@ -39,7 +39,7 @@ def test_failover_harness_end_to_end(tmp_path: Path, tiny_llama: Path) -> None:
     text = md.read_text()
     assert md.name.startswith("decode_failover_") and md.name.endswith("_float32.md")
     assert "Command: `python -m benchmarks.decode_failover --model" in text
-    assert "CPU flags:" in text
+    assert provenance.isa_line() in text
     for phase in decode_failover.PHASES:
         assert f"| {phase} | 6/6 | 0 |" in text, text
     raw = json.loads(md.with_suffix(".json").read_text())

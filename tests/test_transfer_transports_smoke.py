@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from benchmarks import transfer_transports
-from benchmarks.provenance import isa_flags
+from benchmarks.provenance import isa_line
 from engine.transfer.nixl_agent import nixl_available
 
 
@@ -17,9 +17,9 @@ def test_every_transport_moves_the_same_leases(tmp_path: Path) -> None:
     )
     text = md.read_text()
     assert md.name.startswith("transfer_transports_") and md.suffix == ".md"
-    assert f"CPU flags: {isa_flags()}" in text
+    assert isa_line() in text
     raw = json.loads(md.with_suffix(".json").read_text())
-    assert raw["cpu_flags"] == isa_flags()
+    assert raw["cpu_flags"] == isa_line()
     rows = {(r["kind"], r["lease_bytes"]): r for r in raw["rows"]}
     assert set(rows) == {(k, s) for k in ("shm", "gloo", "nixl") for s in (4096, 16384)}
     for (kind, size), row in rows.items():
