@@ -125,6 +125,7 @@ class Dispatcher:
         exhausted: ResourceExhaustedError | None = None
         metadata = metadata_for(job.trace_context)
         failed_decode: list[str] = []
+        left_behind: list[str] = []  # decode workers a stream of this request failed on
         attempt = 0
         moved: Move | None = None  # the move the next attempt makes, if it makes one
         while True:
@@ -139,6 +140,10 @@ class Dispatcher:
                     avoid_decode=[*failed_decode, *full_decode],
                     timeout=None if deadline is None else deadline - loop.time(),
                     prompt=prompt,
+                    # A move never goes back to a worker the stream failed on: a dead one
+                    # looks up until its polls go silent long enough, and each retry there
+                    # would spend a move in a millisecond. The route waits for another.
+                    exclude_decode=left_behind,
                 )
                 if route.decode in full_decode or (route.prefill and route.prefill in full_prefill):
                     # Every worker of that role that is up said it has no room; asking one
@@ -176,6 +181,7 @@ class Dispatcher:
                     # The prompt's part went well: only the decode worker is left behind.
                     # Probing it lets the router see it down for every other request too.
                     failed_decode.append(route.decode)
+                    left_behind.append(route.decode)
                     await self._probe(Route(decode=route.decode, prefill=""))
                     continue
                 if attempt >= self._max_attempts:

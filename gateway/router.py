@@ -197,9 +197,12 @@ class Router:
         avoid_prefill: Collection[str] = (),
         avoid_decode: Collection[str] = (),
         prompt: Sequence[int] | None = None,
+        exclude_decode: Collection[str] = (),
     ) -> Route:
         """The best decode worker and the best prefill worker, preferring ones not in the
-        ``avoid_*`` sets (ones a failed attempt used) while another is up. With
+        ``avoid_*`` sets (ones a failed attempt used) while another is up, and never one in
+        ``exclude_decode`` (decode workers a moving request left behind: they may still
+        look up for ``down_after_s`` after they died). With
         ``same_host_prefill`` both are on one host. With ``prompt`` (its token ids) and
         cache-aware routing, the worker that runs the prompt is chosen by the work it
         would have ahead (:meth:`_prompt_work`). Raises UnavailableError when no worker
@@ -208,7 +211,10 @@ class Router:
         if self._same_host_prefill and not self.single_process:
             hosts = {host_of(w.address) for w in self._workers[WorkerKind.PREFILL].values() if w.up}
             decode = self._best(
-                WorkerKind.DECODE, avoid_decode, lambda w: host_of(w.address) in hosts
+                WorkerKind.DECODE,
+                avoid_decode,
+                lambda w: host_of(w.address) in hosts,
+                exclude=exclude_decode,
             )
             chosen = self._best(
                 WorkerKind.PREFILL,
@@ -220,18 +226,20 @@ class Router:
             return Route(decode=decode.address, prefill=chosen.address)
         prefill = ""
         if self.single_process:
-            decode = self._best(WorkerKind.DECODE, avoid_decode, prompt=hashes)
+            decode = self._best(
+                WorkerKind.DECODE, avoid_decode, prompt=hashes, exclude=exclude_decode
+            )
             self._uncached(decode, num_prompt_tokens, hashes)
         elif (
             hashes is not None
             and self._local_prefill_tokens
-            and (local := self._local(avoid_decode, hashes)) is not None
+            and (local := self._local([*avoid_decode, *exclude_decode], hashes)) is not None
         ):
             decode = local
             decode.prompt_tokens_since_poll += self._uncached(decode, num_prompt_tokens, hashes)
             self.local_prefills += 1
         else:
-            decode = self._best(WorkerKind.DECODE, avoid_decode)
+            decode = self._best(WorkerKind.DECODE, avoid_decode, exclude=exclude_decode)
             chosen = self._best(WorkerKind.PREFILL, avoid_prefill, prompt=hashes)
             chosen.prompt_tokens_since_poll += self._uncached(chosen, num_prompt_tokens, hashes)
             prefill = chosen.address
@@ -306,6 +314,7 @@ class Router:
         avoid_decode: Collection[str] = (),
         timeout: float | None = None,
         prompt: Sequence[int] | None = None,
+        exclude_decode: Collection[str] = (),
     ) -> Route:
         """:meth:`pick`, waiting up to ``wait_for_worker_s`` (and at most ``timeout``) for
         a worker of each needed kind to be up; then UnavailableError saying how long none
@@ -323,6 +332,7 @@ class Router:
                     avoid_prefill=avoid_prefill,
                     avoid_decode=avoid_decode,
                     prompt=prompt,
+                    exclude_decode=exclude_decode,
                 )
             except UnavailableError:
                 left = give_up - loop.time()
@@ -370,11 +380,19 @@ class Router:
         avoid: Collection[str],
         allowed: Callable[[WorkerState], bool] = lambda w: True,
         prompt: PromptHashes | None = None,
+        exclude: Collection[str] = (),
     ) -> WorkerState:
         workers = list(self._workers[kind].values())
         up = [(i, w) for i, w in enumerate(workers) if w.up]
         if not up:
             raise UnavailableError(self._none_up(kind, workers))
+        if exclude:
+            up = [(i, w) for i, w in up if w.address not in exclude]
+            if not up:
+                raise UnavailableError(
+                    f"no {kind.value} worker is up but the one(s) this request already "
+                    f"failed on ({', '.join(sorted(exclude))}); retry later"
+                )
         up = [(i, w) for i, w in up if allowed(w)]
         if not up:
             raise UnavailableError(

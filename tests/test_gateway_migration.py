@@ -47,8 +47,10 @@ def _request(**params: object) -> generate_pb2.GenerateRequest:
     )
 
 
-def _fleet(error: BaseException, *, every_attempt_fails: bool = False) -> list[FakeDecodeWorker]:
-    """Two fake decode workers: an original attempt (output_offset 0) sends FIRST and
+def _fleet(
+    error: BaseException, *, every_attempt_fails: bool = False, count: int = 2
+) -> list[FakeDecodeWorker]:
+    """``count`` fake decode workers: an original attempt (output_offset 0) sends FIRST and
     fails with ``error``, the worker going down; a moved one sends REST and finishes
     (or fails again, with ``every_attempt_fails``)."""
 
@@ -61,7 +63,7 @@ def _fleet(error: BaseException, *, every_attempt_fails: bool = False) -> list[F
             return Script(token_ids=REST[:1], error=error, fail_after=1, hang=True)
         return Script(token_ids=REST)
 
-    workers = [FakeDecodeWorker(), FakeDecodeWorker()]
+    workers = [FakeDecodeWorker() for _ in range(count)]
     for w in workers:
         w.script_for = script
     return workers
@@ -143,7 +145,9 @@ async def test_a_stream_that_ends_without_a_finish_reason_moves(model: ServedMod
 
 
 async def test_the_bound_on_moves_ends_the_request_naming_it(model: ServedModel) -> None:
-    workers = _fleet(errors.UnavailableError("decode worker went away"), every_attempt_fails=True)
+    workers = _fleet(
+        errors.UnavailableError("decode worker went away"), every_attempt_fails=True, count=3
+    )
     async with (
         fake_workers(workers) as (d, _),
         running_gateway(model, d, max_migrations=2) as gw,
@@ -173,3 +177,15 @@ async def test_a_client_cannot_set_the_internal_offset(model: ServedModel) -> No
     assert err.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert "sampling_params.output_offset" in err.details()
     assert not any(w.requests for w in workers)
+
+
+async def test_a_move_never_goes_back_to_the_worker_it_left(model: ServedModel) -> None:
+    """With the only other decode worker failing too, the request does not burn its moves
+    on the workers it already left (a dead one looks up until its polls go silent): it
+    ends UNAVAILABLE saying no other worker is up."""
+    workers = _fleet(errors.UnavailableError("decode worker went away"), every_attempt_fails=True)
+    async with fake_workers(workers) as (d, _), running_gateway(model, d) as gw:
+        _, err = await generate_error(gw.stub, _request(max_tokens=20))
+    assert err.code() is grpc.StatusCode.UNAVAILABLE
+    assert "but the one(s) this request already failed on" in err.details()
+    assert len(_moved(workers)) == 1  # one move, to the other worker; none back
