@@ -157,7 +157,7 @@ async def test_stats_answer_at_once_while_a_step_computes(tiny_llama: Path) -> N
         await asyncio.sleep(0.1)
         began = time.monotonic()
         stats = engine.stats()
-        assert time.monotonic() - began < 0.01
+        assert time.monotonic() - began < 0.5  # the forward holds for 30 s: not behind it
         assert stats.num_running == 1 and stats.num_free_blocks < stats.num_total_blocks
     finally:
         release.set()
