@@ -108,7 +108,8 @@ class LocalProcess:
     popen: subprocess.Popen
     port_file: Path
     log: Path
-    address: str = ""  # 127.0.0.1:PORT once it reported its port
+    address: str = ""  # HOST:PORT once it reported its port
+    host: str = "127.0.0.1"  # the address it serves on
     listed: bool = False  # in its fleet's answer (serving, not stopped)
     metrics_address: str = ""  # 127.0.0.1:PORT of /metrics, with ClusterSpec.metrics
     cores: WorkerCores | None = None  # its share of the core plan; None: not planned
@@ -312,6 +313,19 @@ class LocalCluster:
                 out[i] = share
         return out
 
+    def host_of(self, kind: str) -> str:
+        """The address a ``kind`` process serves on: loopback here; a test that puts
+        processes on hosts of its own (network namespaces) gives theirs."""
+        return "127.0.0.1"
+
+    def placed(
+        self, kind: str, cmd: list[str], env: dict[str, str]
+    ) -> tuple[list[str], dict[str, str]]:
+        """The command line and environment that start a ``kind`` process where it runs:
+        as they are here (a test with hosts of its own wraps them, e.g. in ``ip netns
+        exec``)."""
+        return cmd, env
+
     def _next_index(self, kind: str) -> int:
         """Every process gets a fresh index, so no stale port file is taken for its own."""
         index = self._spawned.get(kind, 0)
@@ -342,12 +356,13 @@ class LocalCluster:
                 *argv[1:],
             ]
             env["OMP_NUM_THREADS"] = str(cores.threads)
+        host = self.host_of(kind)
         cmd = [
             sys.executable,
             "-m",
             *argv,
             "--host",
-            "127.0.0.1",
+            host,
             "--port",
             str(port),
             "--port-file",
@@ -364,10 +379,11 @@ class LocalCluster:
             # fork and run Python in the child, which crashes (SIGSEGV) a launcher whose
             # other threads are inside gRPC, as a test's or a server's are.
             cmd = [nice_binary, "-n", str(nice), *cmd]
+        cmd, env = self.placed(kind, cmd, env)
         with open(log, "wb") as out:
             popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         proc = LocalProcess(
-            kind, popen, port_file, log, metrics_address=metrics_address, cores=cores
+            kind, popen, port_file, log, host=host, metrics_address=metrics_address, cores=cores
         )
         self.procs.append(proc)
         return proc
@@ -375,7 +391,7 @@ class LocalCluster:
     def _await_port(self, proc: LocalProcess, deadline: float) -> None:
         while time.monotonic() < deadline:
             if proc.port_file.exists() and proc.port_file.read_text().strip():
-                proc.address = f"127.0.0.1:{int(proc.port_file.read_text())}"
+                proc.address = f"{proc.host}:{int(proc.port_file.read_text())}"
                 return
             if proc.popen.poll() is not None:
                 raise RuntimeError(
