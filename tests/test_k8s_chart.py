@@ -62,6 +62,16 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "engine": {"device": "cuda"},
         "model": {"source": "pvc", "claimName": "weights", "name": "llama"},
     },
+    "nixl-cpu": {"transfer": {"transport": "nixl"}},
+    "nixl-gpu-rdma": {
+        "transfer": {
+            "transport": "nixl",
+            "ucx": {"TLS": "rc,cuda_copy", "NET_DEVICES": "mlx5_0:1"},
+        },
+        "engine": {"device": "cuda"},
+        "prefill": {"gpus": 1},
+        "decode": {"gpus": 1},
+    },
     "hf-pvc-cache-colocated": {
         "mode": "colocated",
         "transfer": {"transport": "shm"},
@@ -284,7 +294,7 @@ def test_every_container_passes_its_services_config_parser(renders, overlays) ->
                 request = c.spec.get("resources", {}).get("requests", {}).get("cpu")
                 if request is not None:
                     assert cfg["cpu_limit"] == math.ceil(cpu_cores(request)), f"{where}: {cfg}"
-                assert cfg["transport"] in ("gloo", "nccl", "shm", "cuda_ipc")
+                assert cfg["transport"] in ("gloo", "nccl", "nixl", "shm", "cuda_ipc")
                 if cfg["transport"] in ("gloo", "nccl") and role == "decode":
                     assert cfg["transport_address"] == f"10.0.0.7:{c.ports['kv-store']}", where
 
@@ -376,6 +386,43 @@ def test_ports_of_probes_services_and_policies_are_the_listening_ports(renders, 
                 for port in rule["ports"]:
                     if isinstance(port["port"], str):
                         assert port["port"] in ports, f"{where}: policy names {port['port']}"
+
+
+def test_nixl_between_pods_gets_ucx_settings_and_the_data_ports(renders) -> None:  # noqa: ANN001
+    """transport nixl: no KV store (NIXL's agents meet inside the hand-off), UCX's own
+    settings as UCX_* env (TCP on CPU pods, which share no memory; the values' choice on
+    GPU ones), and UCX's ephemeral TCP ports pinned and admitted between workers only."""
+    for name, tls, devices in (
+        ("nixl-cpu", "tcp", None),
+        ("nixl-gpu-rdma", "rc,cuda_copy", "mlx5_0:1"),
+    ):
+        _, objects = renders[name]
+        data = named(objects, "ConfigMap", "baton-config")["data"]
+        assert data["BATON_DECODE_TRANSPORT"] == "nixl", name
+        assert data.get("UCX_TLS") == tls and data.get("UCX_NET_DEVICES") == devices, data
+        assert "BATON_DECODE_TRANSPORT_ADDRESS" not in data, name
+        for role, peer in (("prefill", "decode"), ("decode", "prefill")):
+            deploy = named(objects, "Deployment", f"baton-{role}")
+            pod = deploy["spec"]["template"]["spec"]
+            ports = {p["name"] for c in pod["containers"] for p in c.get("ports", [])}
+            assert "kv-store" not in ports, f"{name}: {role} has no store to open"
+            sysctls = {s["name"]: s["value"] for s in pod["securityContext"]["sysctls"]}
+            assert sysctls["net.ipv4.ip_local_port_range"] == "40000 40999", name
+            policy = named(objects, "NetworkPolicy", f"baton-{role}")
+            ranges = [
+                (rule, port)
+                for rule in policy["spec"]["ingress"]
+                for port in rule["ports"]
+                if port.get("endPort")
+            ]
+            assert len(ranges) == 1, f"{name}: {role} {policy['spec']['ingress']}"
+            rule, port = ranges[0]
+            assert (port["port"], port["endPort"]) == (40000, 40999), name
+            froms = [f["podSelector"]["matchLabels"] for f in rule["from"]]
+            assert [m["app.kubernetes.io/component"] for m in froms] == [peer], name
+            assert all(
+                p["port"] != "kv-store" for r in policy["spec"]["ingress"] for p in r["ports"]
+            )
 
 
 def _grpc_name(role: str) -> str:

@@ -582,7 +582,7 @@ def test_otlp_endpoint_reaches_all_three_services() -> None:
     [
         ({"image": {"tag": "latest"}}, "tag"),
         ({"mode": "colocated"}, "transport must be shm or cuda_ipc"),
-        ({"transfer": {"transport": "shm"}}, "transport must be gloo or nccl"),
+        ({"transfer": {"transport": "shm"}}, "transport must be gloo, nccl or nixl"),
         ({"mode": "sideways"}, "mode"),
         ({"model": {"source": "pvc"}}, "model.claimName is required"),
         ({"gateway": {"replicaz": 2}}, "replicaz"),

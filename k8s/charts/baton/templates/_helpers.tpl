@@ -103,9 +103,15 @@ pair use decode's). */}}
 {{- if eq . "gateway" }}metrics{{ else if eq . "prefill" }}metrics-prefill{{ else }}metrics-decode{{ end }}
 {{- end }}
 
-{{/* True when KV crosses pods: gloo/nccl between prefill and decode Deployments. */}}
+{{/* True when KV crosses pods: gloo/nccl/nixl between prefill and decode Deployments. */}}
 {{- define "baton.crossPodKV" -}}
-{{- if and (eq .Values.mode "disaggregated") (has .Values.transfer.transport (list "gloo" "nccl")) }}true{{ end }}
+{{- if and (eq .Values.mode "disaggregated") (has .Values.transfer.transport (list "gloo" "nccl" "nixl")) }}true{{ end }}
+{{- end }}
+
+{{/* True when decode workers run a KV rendezvous store that prefill pods dial (gloo/nccl
+between pods; nixl's agents exchange what they need inside the hand-off messages). */}}
+{{- define "baton.kvStore" -}}
+{{- if and (include "baton.crossPodKV" .) (has .Values.transfer.transport (list "gloo" "nccl")) }}true{{ end }}
 {{- end }}
 
 {{/* The headless Service name of a workload. */}}
@@ -421,7 +427,7 @@ restarts the container when either process exits).
       containerPort: {{ $b.metricsPort }}
       protocol: TCP
     {{- end }}
-    {{- if and (eq $p "decode") (include "baton.crossPodKV" $root) }}
+    {{- if and (eq $p "decode") (include "baton.kvStore" $root) }}
     - name: kv-store
       containerPort: {{ $root.Values.transfer.storePort }}
       protocol: TCP
