@@ -8,13 +8,13 @@
 #  1. environment: GPUs, driver, Python, torch / CUDA / Triton / transformers versions;
 #  2. packages: installs only what is missing or too old for baton (grpcio-health-checking,
 #     grpcio-reflection, gguf, xxhash; grpcio / protobuf if older than the protos need;
-#     the gateway's starlette, uvicorn, OpenTelemetry API/SDK)
+#     the gateway's starlette, uvicorn, OpenTelemetry API/SDK; NIXL)
 #     from the wheels in .gpu_carry/wheels (benchmarks/gpu_pack.sh), never from a
 #     registry, into a private directory on PYTHONPATH;
 #  3. model: puts the bundled SmolLM2 GGUF together from .gpu_carry/part*/ (and parts an
 #     earlier run left in /tmp/baton_gpu), checking every checksum;
 #  4. tests without the model: the Triton kernels against the torch reference, the
-#     transports (cuda_ipc between two processes on one GPU, the transfer stream), the
+#     transports (cuda_ipc and nixl between two processes on one GPU, the transfer stream), the
 #     device sampler; and nccl: with two GPUs its real test, with one its gloo twin
 #     (the same pair logic over the CPU backend), saying so;
 #  5. tests with the model: the other gpu-marked tests (engine on the GPU vs HF, CUDA
@@ -147,6 +147,8 @@ REQUIRED = {
     "opentelemetry-api": ("opentelemetry", (1, 45, 0)),
     "opentelemetry-sdk": ("opentelemetry", (1, 45, 0)),
     "opentelemetry-semantic-conventions": ("opentelemetry", (0, 50, 0)),
+    # The nixl transport (tests/test_transfer_gpu.py moves a lease GPU to GPU with it).
+    "nixl-cu12": ("nixl_cu12", (1, 5, 1)),
 }
 
 def version(dist):

@@ -10,7 +10,8 @@
 #                       PyTorch + Triton + transformers image (CPython 3.12, x86-64):
 #                       grpcio-health-checking, grpcio-reflection, gguf, xxhash, the
 #                       grpcio / protobuf versions baton's generated protos need, and
-#                       the gateway's starlette, uvicorn and OpenTelemetry API/SDK;
+#                       the gateway's starlette, uvicorn and OpenTelemetry API/SDK,
+#                       and NIXL (nixl-cu12) for the nixl transport's GPU test;
 #   .gpu_carry/part0/,  the bundled SmolLM2 GGUF (98 MB) cut in two, each part with the
 #   .gpu_carry/part1/   checksums of all parts and of the whole file: one run of the
 #                       device tool carries at most 64 MiB, so the model travels in two.
@@ -29,7 +30,7 @@ mkdir -p "$CARRY/wheels" "$CARRY/part0" "$CARRY/part1"
 version() { "$PY" -c "import importlib.metadata as m; print(m.version('$1'))"; }
 wheels=()
 for dist in grpcio-health-checking grpcio-reflection gguf xxhash protobuf grpcio starlette \
-    uvicorn opentelemetry-api opentelemetry-sdk opentelemetry-semantic-conventions; do
+    uvicorn opentelemetry-api opentelemetry-sdk opentelemetry-semantic-conventions nixl-cu12; do
   wheels+=("$dist==$(version "$dist")")
 done
 "$PY" -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \

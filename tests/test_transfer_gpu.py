@@ -1,4 +1,4 @@
-"""The GPU transports (cuda_ipc, nccl) between independently started processes, the
+"""The GPU transports (cuda_ipc, nccl, nixl) between independently started processes, the
 device checksum, and the transfer stream's ordering against compute. Marked ``gpu``;
 skipped without CUDA. nccl needs two GPUs (NCCL refuses two ranks on one); with one,
 its gloo twin (tests/test_transfer_failures.py, test_transfer_protocol.py) runs the
@@ -12,6 +12,7 @@ import torch
 from engine.transfer.block_copy import Staging, checksum_blocks
 from engine.transfer.cuda_stream import TransferStream
 from engine.transfer.factory import make_receiver
+from engine.transfer.nixl_agent import INSTALL_HINT, nixl_available
 from tests.transfer_peer import cross_process_transfer, random_pool, small_layout
 
 pytestmark = [
@@ -43,6 +44,25 @@ def test_nccl_transfer_between_processes() -> None:
     assert sent["ok"], sent["error"]
     assert received["ok"], received["error"]
     assert received["data_ok"]
+
+
+@pytest.mark.skipif(not nixl_available(), reason=f"nixl_cu12 is not importable: {INSTALL_HINT}")
+def test_nixl_transfer_between_processes_on_one_gpu() -> None:
+    """Both pools in VRAM of one GPU: NIXL registers them as VRAM and UCX moves the lease
+    GPU to GPU (CUDA IPC), the same code as the CPU pools the CPU tests move."""
+    sent, received = cross_process_transfer("nixl", "bfloat16", "cuda:0", "cuda:0")
+    assert sent["ok"], sent["error"]
+    assert received["ok"], received["error"]
+    assert received["data_ok"]
+
+
+@pytest.mark.skipif(not nixl_available(), reason=f"nixl_cu12 is not importable: {INSTALL_HINT}")
+def test_nixl_transfer_across_gpus() -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    sent, received = cross_process_transfer("nixl", "bfloat16", "cuda:1", "cuda:0")
+    assert sent["ok"], sent["error"]
+    assert received["ok"] and received["data_ok"], received
 
 
 def test_device_checksum_ignores_grouping_and_sees_one_flipped_word() -> None:
