@@ -100,6 +100,13 @@ def test_any_chunk_size_gives_the_same_bits(tiny: Path) -> None:
     assert all(r == results[1024] for r in results.values()), {b: r[0] for b, r in results.items()}
 
 
+def test_any_thread_count_gives_the_same_bits(tiny: Path) -> None:
+    """The kernels split their work over the threads by output columns and by whole
+    KV parts, never inside one dot product or one part."""
+    one = _run(_core(tiny, num_threads=1), GREEDY, others=8)
+    assert _run(_core(tiny, num_threads=2), GREEDY, others=8) == one
+
+
 def test_preemption_by_recompute_gives_the_same_bits(tiny: Path) -> None:
     alone = _run(_core(tiny), SEEDED, others=0)
     # 48 blocks of 16 tokens cannot hold the target's 324 tokens beside 63 others.
