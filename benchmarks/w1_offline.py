@@ -225,7 +225,19 @@ def settings_notes(opts: Options) -> list[str]:
     ]
     if opts.vllm_python is None:
         notes.append(opts.vllm_skip_reason)
+    if opts.deterministic:
+        notes.append(VLLM_BATCH_INVARIANT_NOTE)
     return notes
+
+
+# Why the W1 --deterministic rows have no vLLM-CPU twin.
+VLLM_BATCH_INVARIANT_NOTE = (
+    "-det: baton --deterministic (one batch-invariant linear kernel for every batch size, "
+    "attention over the KV in fixed 256-token parts). vLLM's batch-invariant mode "
+    "(VLLM_BATCH_INVARIANT=1, beta) is not run beside it: vLLM 0.32.0 documents it for "
+    "NVIDIA GPUs of compute capability 8.0 or higher, AMD Instinct GPUs and Intel XPUs with "
+    "Triton (docs.vllm.ai/en/v0.32.0/features/batch_invariance), not for its CPU backend."
+)
 
 
 def _parser() -> argparse.ArgumentParser:

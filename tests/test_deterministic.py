@@ -83,10 +83,18 @@ def _core(model: Path, deterministic: bool = True, **overrides: Any) -> Any:
     return make_core(model, **fields)
 
 
-@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-def test_alone_equals_in_a_batch_of_63(tiny: Path, params: SamplingParams) -> None:
-    alone = _run(_core(tiny), params, others=0)
-    batched = _run(_core(tiny), params, others=63)
+@pytest.mark.parametrize(
+    ("dtype", "params"),
+    [("bfloat16", GREEDY), ("bfloat16", SEEDED), ("float32", SEEDED)],
+    ids=["bf16-greedy", "bf16-seeded", "fp32-seeded"],
+)
+def test_alone_equals_in_a_batch_of_63(tiny: Path, dtype: str, params: SamplingParams) -> None:
+    """fp32 runs on the other batch-invariant route, the panel kernel."""
+    core = _core(tiny, dtype=dtype)
+    route = GEMV if dtype == "bfloat16" and cpu_kernels().bf16_dot else PANELS
+    assert {r for _, r in core.stats().cpu_kernel_routes} == {route}
+    alone = _run(core, params, others=0)
+    batched = _run(_core(tiny, dtype=dtype), params, others=63)
     assert batched == alone
 
 
