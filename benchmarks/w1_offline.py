@@ -368,7 +368,10 @@ def main(argv: list[str] | None = None) -> Path:
     print(text, flush=True)
     opts.results_dir.mkdir(parents=True, exist_ok=True)
     # Quick runs get their own names so they never overwrite a full run's tables.
-    stem = f"w1_{now:%Y-%m-%d}" + (f"_limit{opts.limit}" if opts.limit else "")
+    # --deterministic runs too: a name of their own, so they never become the README's
+    # W1 table (benchmarks.readme_table takes the newest w1_<date>).
+    kind = "w1_deterministic" if opts.deterministic else "w1"
+    stem = f"{kind}_{now:%Y-%m-%d}" + (f"_limit{opts.limit}" if opts.limit else "")
     md = opts.results_dir / f"{stem}.md"
     md.write_text(text)
     raw = {
