@@ -157,8 +157,8 @@ def test_deterministic_route_choice() -> None:
 
 
 def test_attention_split_ignores_the_batch() -> None:
-    """A query's output over a 600-token context is the same bits alone and beside
-    shorter and longer rows, with the fixed split; the per-batch split differs."""
+    """A query's output over a 600-token context (three parts) is the same bits alone
+    and beside shorter and longer rows, in any order, with the fixed split."""
     kernels = cpu_kernels()
     torch.manual_seed(1)
     bs, hkv, d, nb = 16, 2, 64, 128
