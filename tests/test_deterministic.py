@@ -180,6 +180,16 @@ def test_attention_split_ignores_the_batch() -> None:
     assert torch.equal(attend([1, 0], DETERMINISTIC_SPLIT)[1], alone[0])
 
 
+def test_a_model_the_kernels_cannot_run_deterministically_is_refused_at_start(
+    tmp_path: Path,
+) -> None:
+    """Head dim 8 is outside the compiled attention kernel: the start fails naming why,
+    rather than serving on a path whose bits move with the batch."""
+    model = make_tiny_model_dir(tmp_path, vocab_size=512, hidden_size=32, head_dim=8)
+    with pytest.raises(ValueError, match="compiled CPU attention kernel: head_dim 8"):
+        _core(model)
+
+
 def test_layout_handshake_refuses_mixed_modes() -> None:
     plain = KVLayout(2, 16, 2, 16, "bfloat16")
     determ = KVLayout(2, 16, 2, 16, "bfloat16", deterministic=True)
