@@ -24,6 +24,10 @@ if TYPE_CHECKING:
     from engine.sampling_params import SamplingParams
 
 
+# What a deterministic run's mode label ends with (sync-det, async-det).
+DETERMINISTIC_SUFFIX = "-det"
+
+
 def _baton_core(spec: RunSpec) -> EngineCore:
     # Imported here so that the harness process never loads torch for baton.
     from engine.config import EngineConfig
@@ -36,6 +40,7 @@ def _baton_core(spec: RunSpec) -> EngineCore:
         max_model_len=spec.max_model_len,
         num_threads=spec.threads,
         cpu_kernels=spec.cpu_kernels,
+        deterministic=spec.deterministic,
     )
     return EngineCore(cfg, show_progress=False)
 
@@ -129,7 +134,7 @@ def run_baton(spec: RunSpec) -> RunResult:
     stats = core.stats()
     return RunResult(
         engine="baton",
-        mode=spec.mode,
+        mode=spec.mode + (DETERMINISTIC_SUFFIX if spec.deterministic else ""),
         dtype=spec.dtype,
         num_requests=len(requests),
         prompt_tokens=sum(len(r.prompt_token_ids) for r in requests),

@@ -97,6 +97,8 @@ class RunSpec:
     single_new_tokens: int = 128
     # baton: EngineConfig.cpu_kernels (how the CPU linear kernels are chosen).
     cpu_kernels: str = "auto"
+    # baton: EngineConfig.deterministic (--deterministic; its rows' mode ends "-det").
+    deterministic: bool = False
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -70,9 +70,13 @@ class Options:
     results_dir: Path
     child_timeout_s: float
     cpu_kernels: str = "auto"
+    # Run every baton mode also with --deterministic, side by side.
+    deterministic: bool = False
 
 
-def _spec(opts: Options, engine: str, mode: str, dtype: str) -> RunSpec:
+def _spec(
+    opts: Options, engine: str, mode: str, dtype: str, deterministic: bool = False
+) -> RunSpec:
     return RunSpec(
         engine=engine,
         mode=mode,
@@ -87,11 +91,13 @@ def _spec(opts: Options, engine: str, mode: str, dtype: str) -> RunSpec:
         single_prompt_len=opts.single_prompt_len,
         single_new_tokens=opts.single_new_tokens if mode in ("sync", "static") else 0,
         cpu_kernels=opts.cpu_kernels,
+        deterministic=deterministic,
     )
 
 
 def _run_one(opts: Options, spec: RunSpec, tmp: Path) -> RunResult:
-    out = tmp / f"{spec.engine}-{spec.mode}-{spec.dtype}.json"
+    det = "-det" if spec.deterministic else ""
+    out = tmp / f"{spec.engine}-{spec.mode}{det}-{spec.dtype}.json"
     env = dict(os.environ, TRANSFORMERS_VERBOSITY="error", HF_HUB_DISABLE_PROGRESS_BARS="1")
     python, module = sys.executable, "benchmarks.baton_w1"
     if spec.engine == "hf":
@@ -122,16 +128,16 @@ def run_all(opts: Options) -> tuple[list[RunResult], list[SingleStream], list[st
     results: list[RunResult] = []
     singles: list[SingleStream] = []
     notes: list[str] = []
-    plan = [("baton", "sync")]
-    plan += [] if opts.skip_async else [("baton", "async")]
-    plan += [] if opts.skip_hf else [("hf", "static")]
-    plan += [] if opts.vllm_python is None else [("vllm", "offline")]
+    baton = [("baton", "sync", False)] + ([] if opts.skip_async else [("baton", "async", False)])
+    plan = baton + [(e, m, True) for e, m, _ in baton] if opts.deterministic else baton
+    plan += [] if opts.skip_hf else [("hf", "static", False)]
+    plan += [] if opts.vllm_python is None else [("vllm", "offline", False)]
     with tempfile.TemporaryDirectory(prefix="w1-") as tmp:
         for dtype in opts.dtypes:
             done: list[RunResult] = []
             for rep in range(opts.runs):
-                for engine, mode in plan:
-                    spec = _spec(opts, engine, mode, dtype)
+                for engine, mode, deterministic in plan:
+                    spec = _spec(opts, engine, mode, dtype, deterministic)
                     try:
                         r = _run_one(opts, spec, Path(tmp))
                     except RuntimeError as err:
@@ -145,10 +151,20 @@ def run_all(opts: Options) -> tuple[list[RunResult], list[SingleStream], list[st
             summaries = {s.key[:2]: s for s in w1_report.summarize(done)}
             sync, asyn = summaries.get(("baton", "sync")), summaries.get(("baton", "async"))
             hf = next((s for s in summaries.values() if s.engine == "hf"), None)
-            digests = {r.outputs_digest for r in done if r.engine == "baton"}
+            baton_runs = [r for r in done if r.engine == "baton"]
+            digests = {r.outputs_digest for r in baton_runs if not r.mode.endswith("-det")}
             if sync and asyn:
                 same = "identical" if len(digests) == 1 else "DIFFERENT"
                 notes.append(f"{dtype}: baton output ids are {same} across modes and runs.")
+            det_digests = {r.outputs_digest for r in baton_runs if r.mode.endswith("-det")}
+            if det_digests:
+                same = "identical" if len(det_digests) == 1 else "DIFFERENT"
+                notes.append(
+                    f"{dtype}: baton --deterministic output ids are {same} across its modes "
+                    f"and runs ({len(det_digests)} digest(s)); against the default's: "
+                    + ("the same." if det_digests == digests else "other ids (bf16 greedy "
+                       "near-ties break another way under another summation order).")
+                )  # fmt: skip
             singles.append(
                 SingleStream(
                     dtype=dtype,
@@ -168,8 +184,10 @@ def kernel_routes(results: list[RunResult]) -> dict[str, dict[str, str]]:
     out: dict[str, dict[str, str]] = {}
     for r in results:
         table = r.extra.get("cpu_kernel_routes") if r.engine == "baton" else None
-        if table and r.dtype not in out:
-            out[r.dtype] = dict(table)
+        # --deterministic runs' one route under a key of their own.
+        key = r.dtype + (" deterministic" if r.mode.endswith("-det") else "")
+        if table and key not in out:
+            out[key] = dict(table)
     return out
 
 
@@ -207,7 +225,19 @@ def settings_notes(opts: Options) -> list[str]:
     ]
     if opts.vllm_python is None:
         notes.append(opts.vllm_skip_reason)
+    if opts.deterministic:
+        notes.append(VLLM_BATCH_INVARIANT_NOTE)
     return notes
+
+
+# Why the W1 --deterministic rows have no vLLM-CPU twin.
+VLLM_BATCH_INVARIANT_NOTE = (
+    "-det: baton --deterministic (one batch-invariant linear kernel for every batch size, "
+    "attention over the KV in fixed 256-token parts). vLLM's batch-invariant mode "
+    "(VLLM_BATCH_INVARIANT=1, beta) is not run beside it: vLLM 0.32.0 documents it for "
+    "NVIDIA GPUs of compute capability 8.0 or higher, AMD Instinct GPUs and Intel XPUs with "
+    "Triton (docs.vllm.ai/en/v0.32.0/features/batch_invariance), not for its CPU backend."
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -235,6 +265,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--vllm-python", type=Path, default=vllm_cpu.default_python())
     p.add_argument("--results-dir", type=Path, default=REPO / "benchmarks" / "results")
     p.add_argument("--child-timeout", type=float, default=3600.0, help="seconds per engine")
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="run every baton mode also with --deterministic, side by side with the default",
+    )
     p.add_argument(
         "--cpu-kernels",
         default="auto",
@@ -290,6 +325,7 @@ def _options(a: argparse.Namespace) -> Options:
         results_dir=a.results_dir,
         child_timeout_s=a.child_timeout,
         cpu_kernels=a.cpu_kernels,
+        deterministic=a.deterministic,
     )
 
 
@@ -321,13 +357,21 @@ def main(argv: list[str] | None = None) -> Path:
         header,
         summaries,
         singles,
-        [*settings_notes(opts), *route_notes, *notes],
+        [
+            *settings_notes(opts),
+            *route_notes,
+            *notes,
+            *w1_report.deterministic_over_default(summaries, opts.allow_busy),
+        ],
         opts.allow_busy,
     )
     print(text, flush=True)
     opts.results_dir.mkdir(parents=True, exist_ok=True)
     # Quick runs get their own names so they never overwrite a full run's tables.
-    stem = f"w1_{now:%Y-%m-%d}" + (f"_limit{opts.limit}" if opts.limit else "")
+    # --deterministic runs too: a name of their own, so they never become the README's
+    # W1 table (benchmarks.readme_table takes the newest w1_<date>).
+    kind = "w1_deterministic" if opts.deterministic else "w1"
+    stem = f"{kind}_{now:%Y-%m-%d}" + (f"_limit{opts.limit}" if opts.limit else "")
     md = opts.results_dir / f"{stem}.md"
     md.write_text(text)
     raw = {

@@ -200,6 +200,25 @@ def async_over_sync(summaries: Sequence[EngineSummary], allow_busy: bool) -> lis
     return notes
 
 
+def deterministic_over_default(
+    summaries: Sequence[EngineSummary], allow_busy: bool, suffix: str = "-det"
+) -> list[str]:
+    """One note per baton mode and dtype run both ways: the deterministic mode's median
+    output rate over the default's."""
+    by_key = {s.key: s for s in summaries}
+    notes = []
+    for s in summaries:
+        if s.engine != "baton" or not s.mode.endswith(suffix):
+            continue
+        default = by_key.get(("baton", s.mode.removesuffix(suffix), s.dtype))
+        if default is not None:
+            cell = ratio_cell(s, default, allow_busy)
+            notes.append(
+                f"{s.dtype}: baton {s.mode} / {default.mode} output tok/s (medians) = {cell}."
+            )
+    return notes
+
+
 def render_report(
     header: Sequence[str],
     summaries: Sequence[EngineSummary],

@@ -176,6 +176,11 @@ class EngineConfig:
     # the inter-token latency of the streams it runs; decode workers default to 128
     # (rpc.worker_config).
     max_prefill_tokens_while_decoding: int = 0
+    # Every kernel reduces in an order that does not depend on the batch's size or
+    # members, nor on how a prompt is chunked: a request's tokens and logprobs are the
+    # same bits alone or in any batch, in one process or split (CPU only; one linear
+    # kernel for every batch size, attention over the KV in fixed parts). Peers must agree.
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
@@ -211,6 +216,12 @@ class EngineConfig:
         if self.attention_fallback not in ("none", "torch"):
             raise ValueError(
                 f"attention_fallback must be 'none' or 'torch', got {self.attention_fallback!r}"
+            )
+        if self.deterministic and self.device != "cpu":
+            raise ValueError(f"deterministic mode runs on the CPU only, got device {self.device!r}")
+        if self.deterministic and self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(
+                f"deterministic mode needs dtype float32 or bfloat16, got {self.dtype!r}"
             )
         if self.max_prefill_tokens_while_decoding < 0:
             raise ValueError(

@@ -57,8 +57,9 @@ class EngineCore:
             )
         self.max_model_len = max_len
         self.layout = KVLayout(
-            mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, cfg.dtype
-        )
+            mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, cfg.dtype,
+            deterministic=cfg.deterministic,
+        )  # fmt: skip
         num_blocks = cfg.num_blocks or max(2, cfg.kv_cache_bytes // self.layout.block_bytes)
         device = resolve_device(cfg.device)
         # GPU: the Triton kernels must build before the KV pool and weights are loaded (see

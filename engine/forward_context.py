@@ -55,6 +55,12 @@ class AttentionMetadata:
     # when absent), and how many pieces each decode row's context is split into.
     packed_prefills: PackedPrefills | None = None
     decode_splits: int = 1
+    # Deterministic mode: every row of the step (decode rows, then each prefill chunk's
+    # tokens) as a single-token query, its block table [T, max blocks] long (0-padded)
+    # and its context length [T] int64 (its own token included); built lazily by the
+    # first attention layer of the step.
+    row_block_tables: torch.Tensor | None = None
+    row_context_lens: torch.Tensor | None = None
 
 
 @dataclass(slots=True)

@@ -24,6 +24,10 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     dtype: str  # one of DTYPE_SIZES
+    # Written by a worker in deterministic mode (--deterministic): KV bits that do not
+    # depend on the batch. A peer that is not would hand over or read other bits for the
+    # same tokens, so the two must agree like on the shape.
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "block_size", "num_kv_heads", "head_dim"):
@@ -52,7 +56,14 @@ class KVLayout:
         """A human-readable description of how ``other`` differs, or None if identical."""
         diffs = [
             f"{name}: {getattr(self, name)!r} != {getattr(other, name)!r}"
-            for name in ("num_layers", "block_size", "num_kv_heads", "head_dim", "dtype")
+            for name in (
+                "num_layers",
+                "block_size",
+                "num_kv_heads",
+                "head_dim",
+                "dtype",
+                "deterministic",
+            )
             if getattr(self, name) != getattr(other, name)
         ]
         return "; ".join(diffs) if diffs else None

@@ -31,10 +31,17 @@ from engine.config import EngineConfig, ModelConfig
 from engine.device import build_on, resolve_device
 from engine.forward_context import AttentionMetadata, ForwardContext, PrefillSeq, forward_context
 from engine.huge_pages import zeros_on_huge_pages
+from engine.kernels.cpu import cpu_kernels
 from engine.kernels.route_bench import RouteRequest, known_routes, measure_routes
 from engine.kernels.route_cache import cpu_identity
-from engine.kernels.route_table import RouteTable
+from engine.kernels.route_table import (
+    PANELS,
+    RouteTable,
+    deterministic_route,
+    deterministic_table,
+)
 from engine.kv_layout import KVLayout
+from engine.layers.attention import DETERMINISTIC_SPLIT
 from engine.models.llama import LlamaForCausalLM
 from engine.sampler import Sampler, SamplingRow, position_generator
 from engine.scheduler import PENDING_TOKEN, SampledToken, ScheduledSeq, SchedulerOutput
@@ -85,6 +92,7 @@ class ModelRunner:
             num_kv_heads=model_cfg.num_kv_heads,
             head_dim=model_cfg.head_dim,
             dtype=cfg.dtype,
+            deterministic=cfg.deterministic,
         )
         shape = self.layout.pool_shape(num_blocks)
         if kv_pool is not None and (
@@ -130,7 +138,9 @@ class ModelRunner:
         # Parameters already are in dtype; this casts the fp32 rope tables, as HF does.
         model = model.to(self.dtype).eval()
         model.linear_panels = self.cfg.linear_panels
-        if self.device.type == "cpu":
+        if self.cfg.deterministic:
+            self._make_deterministic(model)
+        elif self.device.type == "cpu":
             self._choose_kernel_routes(model)
         else:
             model.prepare_fast_path()
@@ -166,6 +176,33 @@ class ModelRunner:
             " ".join(cpu_identity()[1]) or "no listed ISA flags",
             os.environ.get("ONEDNN_MAX_CPU_ISA", "unset"),
         )
+
+    def _make_deterministic(self, model: LlamaForCausalLM) -> None:
+        """Deterministic mode: every linear layer on the one batch-invariant kernel
+        (``route_table.deterministic_route``), the attention's fixed KV split."""
+        kernels = cpu_kernels()
+        if kernels is None:
+            raise ValueError(
+                "deterministic mode needs the compiled CPU kernels, which did not build or "
+                "load here (see the warning above, or BATON_CPU_KERNELS=0)"
+            )
+        layers, lm_head = model.linear_layers()
+        widths = [lin.weight.shape[1] for layer in layers for lin in layer] + [
+            lm_head.weight.shape[1]
+        ]
+        route = deterministic_route(
+            self.cfg.dtype, kernels.bf16_dot, all(k % 32 == 0 for k in widths)
+        )
+        model.linear_panels = route == PANELS
+        table = deterministic_table(route)
+        model.set_kernel_routes(table)
+        model.prepare_fast_path()
+        model.set_deterministic(DETERMINISTIC_SPLIT)
+        self.kernel_routes = table
+        logger.info(
+            "deterministic mode: every linear layer on %s, attention over the KV in parts of "
+            "%d tokens", route, DETERMINISTIC_SPLIT,
+        )  # fmt: skip
 
     def close(self) -> None:
         """End the compute thread once queued steps are done. Idempotent."""

@@ -35,6 +35,13 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="one worker runs prefill and decode (no KV transfer)",
     )
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="every worker in deterministic mode: a request's tokens and logprobs are the same "
+        "bits whatever else is in the batch, however its prompt is chunked, and whether "
+        "prefill and decode run in one process or two (CPU; see README, Numerics)",
+    )
     p.add_argument("--transport", default="shm", choices=("shm", "gloo", "cuda_ipc", "nccl"))
     p.add_argument("--prefill-workers", type=int, default=1, help="prefill worker processes")
     p.add_argument(
@@ -61,6 +68,7 @@ def _spec(
         num_prefill=args.prefill_workers,
         num_decode=args.decode_workers,
         dtype=args.dtype,
+        deterministic=args.deterministic,
         gateway_port=gateway_port,
         http_port=http_port,
         log_level=args.log_level,

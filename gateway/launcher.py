@@ -63,6 +63,8 @@ class ClusterSpec:
     num_prefill: int = 1
     num_decode: int = 1
     dtype: str = "bfloat16"
+    # Every worker in deterministic mode (--deterministic): bits independent of the batch.
+    deterministic: bool = False
     # Extra flags for every worker (e.g. ("--num-blocks", "512")).
     worker_args: tuple[str, ...] = ()
     gateway_args: tuple[str, ...] = ()
@@ -155,6 +157,8 @@ class LocalCluster:
         """The command line (after ``python -m``) of a ``kind`` worker of this spec."""
         s = self.spec
         common = ["--model", s.model, "--dtype", s.dtype, "--log-level", s.log_level]
+        if s.deterministic:
+            common += ["--deterministic", "true"]
         if s.mode == "single":
             return ["decode_service", "--single-process", *common, *s.worker_args]
         module = {"prefill": "prefill_service", "decode": "decode_service"}[kind]

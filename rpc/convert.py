@@ -230,6 +230,7 @@ def kv_layout_to_proto(layout: KVLayout) -> kv_pb2.KVLayout:
         num_kv_heads=layout.num_kv_heads,
         head_dim=layout.head_dim,
         dtype=_DTYPE_TO_PROTO[layout.dtype],
+        deterministic=layout.deterministic,
     )
 
 
@@ -249,6 +250,7 @@ def kv_layout_from_proto(msg: kv_pb2.KVLayout, *, path: str = "layout") -> KVLay
         num_kv_heads=msg.num_kv_heads,
         head_dim=msg.head_dim,
         dtype=dtype,
+        deterministic=msg.deterministic,
     )
 
 

@@ -250,6 +250,8 @@ def _optional_float(raw: str) -> float | None:
 
 # Flags that may repeat (their values are joined with commas).
 _REPEATED = frozenset({"prefill_allow"})
+# Boolean flags that may stand alone (``--deterministic`` means ``--deterministic true``).
+_SWITCHES = frozenset({"deterministic"})
 
 # Field -> (conversion from text, which record it belongs to).
 _FIELDS: dict[str, tuple[Callable[[str], Any], str]] = {
@@ -285,6 +287,7 @@ _FIELDS: dict[str, tuple[Callable[[str], Any], str]] = {
     "linear_panels": (_bool, "engine"),
     "cpu_kernels": (str.lower, "engine"),
     "max_prefill_tokens_while_decoding": (int, "engine"),
+    "deterministic": (_bool, "engine"),
     "tls_cert": (Path, "worker"),
     "tls_key": (Path, "worker"),
     "tls_ca": (Path, "worker"),
@@ -353,6 +356,10 @@ _HELP = {
     "max_prefill_tokens_while_decoding": "most prompt tokens a step that also decodes may "
     "carry (a prompt prefilled on a decode worker); 0: only --max-num-batched-tokens "
     "(default 128 for decode workers, 0 otherwise)",
+    "deterministic": "bf16/fp32 on CPU: every kernel reduces in an order independent of the "
+    "batch and of prompt chunking, so a request's tokens and logprobs are the same bits alone "
+    "or in any batch, single-process or disaggregated; prefill and decode workers must both "
+    "set it (the KV layout handshake refuses a mix) (true/false; alone: true; default false)",
     "tls_cert": "this worker's certificate (PEM); with --tls-key and --tls-ca: mTLS",
     "tls_key": "this worker's private key (PEM)",
     "tls_ca": "the fleet's CA bundle (PEM): clients and prefill peers must be signed by it",
@@ -407,6 +414,8 @@ def _parser(role: str, prefix: str) -> argparse.ArgumentParser:
         flag = "--" + name.replace("_", "-")
         if name in _REPEATED:
             p.add_argument(flag, dest=name, help=_HELP[name], action="append")
+        elif name in _SWITCHES:
+            p.add_argument(flag, dest=name, help=_HELP[name], nargs="?", const="true")
         else:
             p.add_argument(flag, dest=name, help=_HELP[name])
     p.add_argument(

@@ -95,6 +95,20 @@ def test_harness_runs_all_engines_and_writes_tables(tmp_path: Path) -> None:
     assert single["weight_bytes"] > 0
 
 
+def test_deterministic_runs_are_set_beside_the_default_ones() -> None:
+    def summary(mode: str, wall: float) -> w1_report.EngineSummary:
+        run = common.RunResult(
+            engine="baton", mode=mode, dtype="bfloat16", num_requests=4, prompt_tokens=40,
+            output_tokens=100, wall_s=wall, other_cpu_share=0.0,
+        )  # fmt: skip
+        return w1_report.EngineSummary("baton", mode, "bfloat16", runs=(run,))
+
+    notes = w1_report.deterministic_over_default(
+        [summary("sync", 10.0), summary("sync-det", 12.5), summary("async", 9.0)], False
+    )
+    assert notes == ["bfloat16: baton sync-det / sync output tok/s (medians) = 0.80."]
+
+
 def test_run_table_ratios_compare_baton_with_peers_at_the_same_dtype() -> None:
     def result(engine: str, dtype: str, wall: float) -> common.RunResult:
         return common.RunResult(

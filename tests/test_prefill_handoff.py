@@ -221,6 +221,17 @@ async def test_orders_that_do_not_fit_are_refused_before_anything_runs(rig: Rig)
     with pytest.raises(LayoutMismatchError, match="block_size"):
         async for _ in rig.handoff().run(bad, _acks(), None):
             pass
+    # A decode worker in the other numerics mode (--deterministic) is refused the same way.
+    mixed = dataclasses.replace(order.descriptor.endpoint.layout, deterministic=True)
+    bad = dataclasses.replace(
+        order,
+        descriptor=dataclasses.replace(
+            order.descriptor, endpoint=dataclasses.replace(order.descriptor.endpoint, layout=mixed)
+        ),
+    )
+    with pytest.raises(LayoutMismatchError, match="deterministic: False != True"):
+        async for _ in rig.handoff().run(bad, _acks(), None):
+            pass
     rig.receiver.cancel("p5")
     await asyncio.sleep(0.1)
     rig.receiver.poll()

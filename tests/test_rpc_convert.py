@@ -192,9 +192,13 @@ def test_first_token_needs_exactly_one_token() -> None:
 # --- KV layout -----------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-def test_kv_layout_round_trip(dtype: str) -> None:
-    layout = KVLayout(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype=dtype)
+def test_kv_layout_round_trip(dtype: str, deterministic: bool) -> None:
+    layout = KVLayout(
+        num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype=dtype,
+        deterministic=deterministic,
+    )  # fmt: skip
     msg = convert.kv_layout_to_proto(layout)
     assert convert.kv_layout_from_proto(kv_pb2.KVLayout.FromString(msg.SerializeToString())) == (
         layout

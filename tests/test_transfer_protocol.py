@@ -110,6 +110,22 @@ def test_live_peer_with_another_layout_is_refused_at_connect(kind: str) -> None:
         assert not receiver.kv_cache.any()
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_live_peer_in_the_other_numerics_mode_is_refused_at_connect(kind: str) -> None:
+    """A deterministic worker and a default one compute other KV bits for the same
+    tokens: each transport's own layout record carries the mode, so the live receiver
+    refuses the mix even when the descriptor says otherwise."""
+    theirs = replace(small_layout(), deterministic=True)
+    with connected(kind, theirs, sender_layout=small_layout()) as (sender, receiver, _):
+        desc = receiver.expect("r", (1,), 1, deadline())
+        forged = replace(desc, endpoint=replace(desc.endpoint, layout=small_layout()))
+        sender.submit(SendJob("r", (0,), forged, deadline()))
+        failed = wait_for(sender.poll)
+        assert isinstance(failed.error, LayoutMismatchError)
+        assert "deterministic: False != True" in str(failed.error)
+        assert not receiver.kv_cache.any()
+
+
 def test_gloo_receiver_refuses_a_hello_with_another_layout() -> None:
     receiver = make_receiver("gloo", small_layout(), 8, config=SMALL_GROUPS)
     try:

@@ -65,6 +65,19 @@ def test_panels_are_for_workers_that_decode_unless_told() -> None:
     assert defaults("prefill")["linear_panels"] is False and defaults("decode")["linear_panels"]
 
 
+def test_deterministic_is_a_switch_with_an_environment_twin() -> None:
+    assert WorkerConfig.from_args("decode", [], {}).engine.deterministic is False
+    assert WorkerConfig.from_args("prefill", ["--deterministic"], {}).engine.deterministic is True
+    argv = ["--single-process", "--deterministic", "false"]
+    assert WorkerConfig.from_args("both", argv, {}).engine.deterministic is False
+    env = {"BATON_PREFILL_DETERMINISTIC": "true"}
+    assert WorkerConfig.from_args("prefill", [], env).engine.deterministic is True
+    with pytest.raises(ValueError, match="--deterministic='maybe'"):
+        WorkerConfig.from_args("decode", ["--deterministic", "maybe"], {})
+    with pytest.raises(ValueError, match="CPU only"):
+        WorkerConfig.from_args("decode", ["--deterministic", "--device", "cuda"], {})
+
+
 def test_defaults_cover_every_flag() -> None:
     d = defaults("decode")
     assert d["transport"] == "shm" and d["block_size"] == 16 and d["max_num_seqs"] == 64

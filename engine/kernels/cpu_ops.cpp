@@ -87,7 +87,8 @@ at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& w, const std::opt
 // whole layer runs without the GIL. Weights are HF-packed: qkv_w [(H + 2 Hkv) D, C],
 // o_w [C, H D], gate_up_w [2 I, C], down_w [C, I]; *_p are their oneDNN-prepacked copies
 // (or None), *_pp their panel-packed copies (pack_panels, or None). Each linear layer is
-// the one ``layer_linear`` picks for M rows under ``routes`` (empty: the constants).
+// the one ``layer_linear`` picks for M rows under ``routes`` (empty: the constants);
+// ``split`` is decode_attention's (0: per batch; > 0: fixed parts, deterministic mode).
 at::Tensor decode_layer(const at::Tensor& hidden, const at::Tensor& positions, at::Tensor& kv_cache, int64_t layer,
                         const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                         const at::Tensor& context_lens, const at::Tensor& cos, const at::Tensor& sin,
@@ -98,7 +99,7 @@ at::Tensor decode_layer(const at::Tensor& hidden, const at::Tensor& positions, a
                         const std::optional<at::Tensor>& down_p, const std::optional<at::Tensor>& qkv_pp,
                         const std::optional<at::Tensor>& o_pp, const std::optional<at::Tensor>& gate_up_pp,
                         const std::optional<at::Tensor>& down_pp, int64_t num_heads, double eps, double scale,
-                        int64_t window, at::IntArrayRef routes) {
+                        int64_t window, at::IntArrayRef routes, int64_t split) {
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "decode_layer: hidden must be contiguous [M, C]");
   const int64_t M = hidden.size(0);
   const int64_t Hkv = kv_cache.size(2), D = kv_cache.size(5), H = num_heads;
@@ -111,7 +112,7 @@ at::Tensor decode_layer(const at::Tensor& hidden, const at::Tensor& positions, a
   auto [qr, kr] = rotary(q, k, cos, sin, positions);
   write_kv(kv_cache, layer, kr, v, slot_mapping);
   at::Tensor attn = at::empty({M, H, D}, hidden.options());
-  decode_attention(attn, qr, kv_cache, layer, block_tables, context_lens, scale, window);
+  decode_attention(attn, qr, kv_cache, layer, block_tables, context_lens, scale, window, split);
   const at::Tensor h1 = at::add(hidden, layer_linear(attn.view({M, H * D}), o_w, o_p, o_pp, std::nullopt, routes));
   const at::Tensor x2 = rms_norm(h1, post_norm_w, eps);
   const at::Tensor act = silu_and_mul(layer_linear(x2, gate_up_w, gate_up_p, gate_up_pp, std::nullopt, routes));
@@ -141,7 +142,7 @@ at::Tensor decode_stack(const at::Tensor& hidden, const at::Tensor& positions, a
                         const c10::List<std::optional<at::Tensor>>& o_pp,
                         const c10::List<std::optional<at::Tensor>>& gate_up_pp,
                         const c10::List<std::optional<at::Tensor>>& down_pp, int64_t num_heads, double eps,
-                        double scale, at::IntArrayRef windows, at::IntArrayRef routes) {
+                        double scale, at::IntArrayRef windows, at::IntArrayRef routes, int64_t split) {
   const size_t L = qkv_w.size();
   TORCH_CHECK(in_norm_w.size() == L && qkv_b.size() == L && o_w.size() == L && post_norm_w.size() == L &&
                   gate_up_w.size() == L && down_w.size() == L && qkv_p.size() == L && o_p.size() == L &&
@@ -155,7 +156,7 @@ at::Tensor decode_stack(const at::Tensor& hidden, const at::Tensor& positions, a
                      in_norm_w[l], qkv_w[l], entry(qkv_b, l), o_w[l], post_norm_w[l], gate_up_w[l], down_w[l],
                      entry(qkv_p, l), entry(o_p, l), entry(gate_up_p, l), entry(down_p, l), entry(qkv_pp, l),
                      entry(o_pp, l), entry(gate_up_pp, l), entry(down_pp, l), num_heads, eps, scale, windows[l],
-                     routes);
+                     routes, split);
   return h;
 }
 
@@ -167,7 +168,7 @@ TORCH_LIBRARY(baton_cpu, m) {
   m.def("write_kv(Tensor(a!) kv_cache, int layer, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
   m.def(
       "decode_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, int layer, Tensor block_tables, "
-      "Tensor context_lens, float scale, int window=0) -> ()");
+      "Tensor context_lens, float scale, int window=0, int split=0) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rotary(Tensor q, Tensor k, Tensor cos, Tensor sin, Tensor positions) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
@@ -179,14 +180,15 @@ TORCH_LIBRARY(baton_cpu, m) {
       "Tensor block_tables, Tensor context_lens, Tensor cos, Tensor sin, Tensor in_norm_w, Tensor qkv_w, "
       "Tensor? qkv_b, Tensor o_w, Tensor post_norm_w, Tensor gate_up_w, Tensor down_w, Tensor? qkv_p, "
       "Tensor? o_p, Tensor? gate_up_p, Tensor? down_p, Tensor? qkv_pp, Tensor? o_pp, Tensor? gate_up_pp, "
-      "Tensor? down_pp, int num_heads, float eps, float scale, int window=0, int[] routes=[]) -> Tensor");
+      "Tensor? down_pp, int num_heads, float eps, float scale, int window=0, int[] routes=[], int split=0) -> "
+      "Tensor");
   m.def(
       "decode_stack(Tensor hidden, Tensor positions, Tensor(a!) kv_cache, Tensor slot_mapping, "
       "Tensor block_tables, Tensor context_lens, Tensor cos, Tensor sin, Tensor[] in_norm_w, Tensor[] qkv_w, "
       "Tensor?[] qkv_b, Tensor[] o_w, Tensor[] post_norm_w, Tensor[] gate_up_w, Tensor[] down_w, "
       "Tensor?[] qkv_p, Tensor?[] o_p, Tensor?[] gate_up_p, Tensor?[] down_p, Tensor?[] qkv_pp, "
       "Tensor?[] o_pp, Tensor?[] gate_up_pp, Tensor?[] down_pp, int num_heads, float eps, float scale, "
-      "int[] windows, int[] routes=[]) -> Tensor");
+      "int[] windows, int[] routes=[], int split=0) -> Tensor");
   m.def("has_bf16_dot() -> bool", &has_bf16_dot);
 }
 

@@ -96,6 +96,7 @@ def linear(
     packed_wide: torch.Tensor | None = None,
     panels: torch.Tensor | None = None,
     route: str | None = None,
+    strict: bool = False,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)``; ``packed`` is ``pack_linear_weight(weight)`` or None,
     ``packed_wide`` is ``pack_linear_weight(weight, wide=True)`` or None, ``panels`` is
@@ -108,11 +109,19 @@ def linear(
     up to ``PANEL_MAX_ROWS`` rows, the panel kernel when there are panels. bf16 batches of
     ``WIDE_MIN_ROWS`` rows or more run on the widened weight as fp32 GEMMs. Other batches
     (and fp32 from two rows) use the prepacked weight when there is one.
+
+    ``strict`` (deterministic mode): ``route`` must serve, else ``RuntimeError``; falling
+    back to the constants would pick a kernel by the batch's rows.
     """
     if route is not None:
         out = run_route(route, x, weight, bias, packed, packed_wide, panels)
         if out is not None:
             return out
+        if strict:
+            raise RuntimeError(
+                f"deterministic mode: the {route!r} linear kernel does not serve a "
+                f"{tuple(x.shape)} {x.dtype} input on a {tuple(weight.shape)} weight"
+            )
     if x.dim() == 2 and x.is_cpu:
         rows = x.shape[0]
         if (
@@ -237,6 +246,7 @@ def decode_layer(
     packed: tuple[torch.Tensor | None, ...] = (None,) * 8,
     window: int = 0,
     routes: tuple[int, ...] = (),
+    split: int = 0,
 ) -> torch.Tensor | None:
     """A whole Llama decoder layer over the decode rows of a step in one call, or None.
 
@@ -246,7 +256,8 @@ def decode_layer(
     attention layer. ``packed`` holds the prepacked copies of (qkv, o, gate_up, down) from
     ``pack_linear_weight``, then their ``pack_panels`` (or None each); each linear layer
     picks what ``linear`` would pick for that many rows (``routes``: ``route_codes`` of the
-    route table; empty: the constants). For decode-only batches, where
+    route table; empty: the constants; ``split``: the attention's, see
+    ``PagedAttention.split``). For decode-only batches, where
     per-op dispatch from Python costs as much as the attention at small batches and the
     whole layer runs without the GIL. Returns None where it does not apply (not CPU,
     another dtype, shapes the kernels don't serve), and the caller runs its modules.
@@ -263,7 +274,7 @@ def decode_layer(
     return kernels.decode_layer(
         hidden, positions, kv_cache, layer, slot_mapping, block_tables, context_lens,
         cos, sin, in_norm_w, qkv_w, qkv_b, o_w, post_norm_w, gate_up_w, down_w, *packed,
-        num_heads, eps, scale, window, list(routes),
+        num_heads, eps, scale, window, list(routes), split,
     )  # fmt: skip
 
 
@@ -334,6 +345,8 @@ class DecodeStack:
     scale: float
     # ``route_codes`` of the route table; empty: the constants.
     routes: tuple[int, ...] = ()
+    # The attention's fixed KV split in tokens (deterministic mode); 0: chosen per batch.
+    split: int = 0
 
 
 def make_decode_stack(
@@ -342,6 +355,7 @@ def make_decode_stack(
     num_kv_heads: int,
     head_dim: int,
     routes: tuple[int, ...] = (),
+    split: int = 0,
 ) -> DecodeStack | None:
     """A ``DecodeStack`` from per-layer dicts (keys: in_norm, qkv, qkv_bias, o, post_norm,
     gate_up, down, packed, window, eps, scale), or None where the kernels don't serve
@@ -367,6 +381,7 @@ def make_decode_stack(
         eps=layers[0]["eps"],
         scale=layers[0]["scale"],
         routes=routes,
+        split=split,
     )
 
 
@@ -394,5 +409,5 @@ def decode_stack(
         hidden, positions, kv_cache, slot_mapping, block_tables, context_lens, cos, sin,
         stack.in_norm, stack.qkv, stack.qkv_bias, stack.o, stack.post_norm, stack.gate_up,
         stack.down, *stack.packed, stack.num_heads, stack.eps, stack.scale, stack.windows,
-        list(stack.routes),
+        list(stack.routes), stack.split,
     )  # fmt: skip

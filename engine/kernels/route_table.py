@@ -8,6 +8,10 @@ decode batches, prefill chunks; the LM head has its own two classes, since its w
 on one route. ``default_routes`` is what the hand-tuned constants of
 ``engine.kernels.ops`` pick; a measured route replaces a class's default only when it
 is faster by more than ``margin``, so timing noise cannot flip a choice away from it.
+
+Deterministic mode (``deterministic_table``) gives up the per-class choice: every class
+runs on one kernel whose reduction order for a row does not depend on how many rows
+share the call, so a token's bits do not depend on its batch.
 """
 
 from __future__ import annotations
@@ -114,6 +118,32 @@ def default_routes(dtype: str, kernels: bool, panels: bool, onednn: bool) -> dic
         LM_HEAD_GEMV_ROWS: small,
         LM_HEAD_ROWS: mid,
     }
+
+
+# The routes whose result for a row is the same bits at any row count (each row's dot
+# products run over K in one fixed order; tests/test_deterministic.py checks it): the
+# bf16 GEMV kernel (rows in tiles of up to 4, columns in tiles of 64) and the fp32 panel
+# kernel (rows in tiles of up to 6). oneDNN and torch pick their blocking by the shape.
+BATCH_INVARIANT_ROUTES = (GEMV, PANELS)
+DETERMINISTIC_SOURCE = "deterministic"
+
+
+def deterministic_route(dtype: str, bf16_dot: bool, gemv_fits: bool) -> str:
+    """The one route of deterministic mode: the bf16 GEMV kernel for a bf16 model where
+    the build has the bf16 dot product and every layer's input width is a multiple of 32
+    (``gemv_fits``; on AVX512-BF16 it measured at or above the panels from 1 to 512
+    rows), else the panel kernel (fp32, and bf16 widened)."""
+    return GEMV if dtype == "bfloat16" and bf16_dot and gemv_fits else PANELS
+
+
+def deterministic_table(route: str) -> RouteTable:
+    """Every row class on ``route`` (one of ``BATCH_INVARIANT_ROUTES``)."""
+    if route not in BATCH_INVARIANT_ROUTES:
+        raise ValueError(
+            f"deterministic mode needs a batch-invariant route {BATCH_INVARIANT_ROUTES}, "
+            f"got {route!r}"
+        )
+    return RouteTable(routes=dict.fromkeys(ROW_CLASSES, route), source=DETERMINISTIC_SOURCE)
 
 
 def pick(timings: Mapping[str, float], default: str, margin: float = DEFAULT_MARGIN) -> str:

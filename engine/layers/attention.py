@@ -11,9 +11,16 @@ Two backends give the same result (fp32 summation order aside):
   outside blocks, so the gather already has the ``[kv_heads, seqs, tokens, head_dim]``
   shape the matmul wants. Scores are scaled, masked and widened to fp32 in one op.
 
-Prefill chunks always run as torch SDPA per sequence (causal; an explicit mask when the
+Prefill chunks run as torch SDPA per sequence (causal; an explicit mask when the
 chunk follows cached context or a sliding window cuts it), which measured fastest for
 multi-token queries.
+
+Deterministic mode (``split`` > 0, ``--deterministic``) trades that for bits that do not
+depend on the batch: every token of the step, prefill chunks included, runs as a
+single-token query of the compiled kernel over the cache through its sequence's block
+table, with the context reduced in parts of ``split`` tokens merged in one fixed order.
+A position then gets the same attention output whether it was prefilled whole, in
+chunks of any size, or decoded, and whatever else shares the step.
 
 A layer with a sliding window of W tokens lets a query at position i see positions
 (i - W, i] only (HF's ``sliding_window``); both backends apply it. Blocks outside the
@@ -52,6 +59,12 @@ from engine.kernels.cpu import cpu_kernels
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 logger = logging.getLogger(__name__)
 
+
+# Deterministic mode's KV split, in tokens (whole blocks): every context is reduced in
+# parts of this many tokens, merged in context order. Part of what peers must agree on
+# (the next layer's K/V depend on it); long enough that a part amortizes its merge,
+# short enough that one long decode row still spreads over the threads.
+DETERMINISTIC_SPLIT = 256
 
 # What a GPU worker does when the Triton kernels do not build (--attention-fallback).
 ATTENTION_FALLBACKS = ("none", "torch")
@@ -169,6 +182,32 @@ def decode_context_lens(meta: AttentionMetadata) -> torch.Tensor:
     return lens
 
 
+def row_tables(meta: AttentionMetadata, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row of a ``rows``-token step as a single-token query: its block table
+    [rows, max blocks] (0-padded) and its context length [rows] (its token included).
+    Built once a step and kept on the metadata for the other layers."""
+    if meta.row_block_tables is not None and meta.row_context_lens is not None:
+        return meta.row_block_tables, meta.row_context_lens
+    n_dec = meta.num_decode
+    dec_tables = meta.decode_block_tables if n_dec else None
+    width = max(
+        [dec_tables.shape[1] if dec_tables is not None else 1]
+        + [p.block_ids.numel() for p in meta.prefills]
+    )
+    device = meta.slot_mapping.device
+    tables = torch.zeros((rows, width), dtype=torch.long, device=device)
+    lens = torch.empty(rows, dtype=torch.long, device=device)
+    if dec_tables is not None:
+        tables[:n_dec, : dec_tables.shape[1]] = dec_tables
+        lens[:n_dec] = decode_context_lens(meta)
+    for p in meta.prefills:
+        run = slice(p.q_start, p.q_start + p.q_len)
+        tables[run, : p.block_ids.numel()] = p.block_ids
+        lens[run] = torch.arange(p.start + 1, p.start + p.q_len + 1, device=device)
+    meta.row_block_tables, meta.row_context_lens = tables, lens
+    return tables, lens
+
+
 def decode_window_mask(meta: AttentionMetadata, window: int) -> torch.Tensor:
     """``meta.decode_mask`` with every column before each row's window also at -inf."""
     mask = meta.decode_window_masks.get(window)
@@ -205,6 +244,8 @@ class PagedAttention(nn.Module):
         fits_kernel = head_dim % 16 == 0 and head_dim <= 256 and self.group <= 16
         # Plain attribute, so a benchmark or test can pin the torch path per layer.
         self.use_kernel = fits_kernel and decode_attention_backend() == "cpu-kernel"
+        # Deterministic mode: the fixed KV split in tokens (DETERMINISTIC_SPLIT); 0: off.
+        self.split = 0
         # Triton kernels for every tensor (CPU ones under TRITON_INTERPRET=1, in tests):
         # set by the runner that checked they build (engine.cuda_runner); the plain
         # runner on a GPU (--attention-fallback torch) leaves it off.
@@ -213,6 +254,8 @@ class PagedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D] for the batch's new tokens. Returns [T, H*D]."""
         ctx = get_forward_context()
+        if self.split:
+            return self._forward_split(q, k, v, ctx)
         if self.use_triton:
             triton_attention = triton_attention_backend()
             assert triton_attention is not None, "use_triton set where Triton does not import"
@@ -228,6 +271,33 @@ class PagedAttention(nn.Module):
             if kernels is not None:
                 return self._forward_kernel(kernels.ops, q, k, v, ctx)
         return self._forward_torch(q, k, v, ctx)
+
+    def _forward_split(self, q, k, v, ctx: ForwardContext) -> torch.Tensor:
+        """Deterministic mode: every row through the compiled kernel, one query each."""
+        kernels = cpu_kernels()
+        if not (
+            self.use_kernel
+            and kernels is not None
+            and q.is_cpu
+            and q.dtype in _KERNEL_DTYPES
+            and ctx.kv_cache.dtype == q.dtype
+            and ctx.kv_cache.is_contiguous()
+        ):
+            raise RuntimeError(
+                "deterministic mode needs the compiled CPU attention kernel for a "
+                f"{q.dtype} step on {q.device} (layer {self.layer_idx})"
+            )
+        ops = kernels.ops
+        meta = ctx.attn
+        t = q.shape[0]
+        ops.write_kv(ctx.kv_cache, self.layer_idx, k, v, meta.slot_mapping)
+        tables, lens = row_tables(meta, t)
+        out = torch.empty_like(q)
+        ops.decode_attention(
+            out, q, ctx.kv_cache, self.layer_idx, tables, lens, self.scale,
+            self.sliding_window, self.split,
+        )  # fmt: skip
+        return out.view(t, self.num_heads * self.head_dim)
 
     def _forward_kernel(self, ops, q, k, v, ctx: ForwardContext) -> torch.Tensor:
         meta = ctx.attn

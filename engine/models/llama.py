@@ -12,6 +12,12 @@ compiled call (``ops.decode_stack``; each layer alone, ``ops.decode_layer``, whe
 is off its fused path). Every module keeps its plain-torch twin behind a
 ``use_kernel`` attribute: ``set_fast_path(False)`` runs the model on the twins alone,
 which is what parity tests compare the fast path against.
+
+``set_deterministic`` puts the model in deterministic mode (``--deterministic``): one
+linear kernel for every batch size (``engine.kernels.route_table.deterministic_table``,
+enforced: a layer it does not serve raises rather than falling back to a kernel chosen by
+the rows) and the attention's fixed KV split for prefill and decode rows alike, so each
+row's bits depend on its own tokens alone.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from engine.config import ModelConfig
 from engine.forward_context import get_forward_context
 from engine.kernels import ops
 from engine.kernels.route_table import (
+    DETERMINISTIC_SOURCE,
     LAYER_CLASSES,
     LM_HEAD_CLASSES,
     ONEDNN,
@@ -69,6 +76,8 @@ class Linear(nn.Linear):
         # The LM head's batches have row classes of their own (route_table.LM_HEAD_CLASSES).
         self.is_lm_head = False
         self.routes: RouteTable | None = None
+        # Deterministic mode: the route must serve every call (``ops.linear``'s strict).
+        self.strict = False
         self.packed: torch.Tensor | None = None
         self.packed_wide: torch.Tensor | None = None
         self.panels: torch.Tensor | None = None
@@ -108,8 +117,11 @@ class Linear(nn.Linear):
                 rows = x.shape[0]
                 route = routes.lm_head_route(rows) if self.is_lm_head else routes.layer_route(rows)
             return ops.linear(
-                x, self.weight, self.bias, self.packed, self.packed_wide, self.panels, route
-            )
+                x, self.weight, self.bias, self.packed, self.packed_wide, self.panels, route,
+                strict=self.strict,
+            )  # fmt: skip
+        if self.strict:
+            raise RuntimeError("deterministic mode needs the compiled linear kernels")
         return F.linear(x, self.weight, self.bias)
 
 
@@ -199,7 +211,7 @@ class DecoderLayer(nn.Module):
             meta.decode_block_tables, decode_context_lens(meta), attn.rope.cos, attn.rope.sin,
             w["in_norm"], w["qkv"], w["qkv_bias"], w["o"], w["post_norm"], w["gate_up"],
             w["down"], attn.num_heads, w["eps"], w["scale"], packed=w["packed"],
-            window=w["window"], routes=self.route_codes,
+            window=w["window"], routes=self.route_codes, split=attn.attn.split,
         )  # fmt: skip
 
     def fused_weights(self) -> dict[str, Any]:
@@ -273,7 +285,10 @@ class LlamaModel(nn.Module):
         layers = [layer.fused_weights() for layer in self.layers]
         cfg = self.config
         routes = self.layers[0].route_codes if self.layers else ()
-        return ops.make_decode_stack(layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, routes)
+        split = self.layers[0].self_attn.attn.split if self.layers else 0
+        return ops.make_decode_stack(
+            layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, routes, split
+        )
 
 
 class LlamaForCausalLM(nn.Module):
@@ -328,6 +343,32 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(mod, Linear):
                 mod.prepack(panels=self.linear_panels)
         self._apply_routes()
+
+    def set_deterministic(self, split: int) -> None:
+        """Deterministic mode with the attention's KV split of ``split`` tokens (0: off).
+        Set the deterministic route table first (``set_kernel_routes``). Raises
+        ValueError where a module cannot run it (its compiled kernel does not serve it)."""
+        on = split > 0
+        table = self.kernel_routes
+        if on and (table is None or table.source != DETERMINISTIC_SOURCE):
+            raise ValueError("deterministic mode needs the deterministic kernel route table")
+        for mod in self.modules():
+            if isinstance(mod, Linear):
+                mod.strict = on
+            elif isinstance(mod, PagedAttention):
+                if on and not mod.use_kernel:
+                    raise ValueError(
+                        "deterministic mode needs the compiled CPU attention kernel: head_dim "
+                        f"{mod.head_dim} (a multiple of 16, at most 256), {mod.group} query "
+                        "heads per KV head (at most 16), and the kernels built "
+                        "(BATON_CPU_KERNELS not 0)"
+                    )
+                mod.split = split
+            elif isinstance(mod, (RMSNorm, RotaryEmbedding, MLP)) and on and not mod.use_kernel:
+                raise ValueError(
+                    f"deterministic mode needs the compiled CPU kernels ({type(mod).__name__})"
+                )
+        self.model.decode_stack = self.model.make_decode_stack()
 
     def linear_layers(self) -> tuple[list[list[Linear]], Linear]:
         """Each decoder layer's linear layers (qkv, o, gate_up, down), and the LM head:

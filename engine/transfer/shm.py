@@ -65,7 +65,7 @@ _DTYPES_BY_CODE = {code: name for name, code in _DTYPE_CODES.items()}
 # Header words.
 _W_MAGIC, _W_VERSION, _W_INC_HI, _W_INC_LO = 0, 1, 2, 3
 _W_LAYERS, _W_BLOCK, _W_HEADS, _W_HEAD_DIM, _W_DTYPE, _W_BLOCKS = 4, 5, 6, 7, 8, 9
-_W_CLOSED, _W_POOL_OFFSET = 10, 11
+_W_CLOSED, _W_POOL_OFFSET, _W_DETERMINISTIC = 10, 11, 12
 _HEADER_WORDS = 16
 # How often a sender retries a block another sender claims (one on its way out: it saw
 # the lease is not its own).
@@ -111,6 +111,7 @@ class ShmSegment:
             h[_W_HEADS],
             h[_W_HEAD_DIM],
             _DTYPES_BY_CODE.get(h[_W_DTYPE], "float32"),
+            bool(h[_W_DETERMINISTIC]),
         )
         self.num_blocks = h[_W_BLOCKS]
         self.owner = AtomicWords(
@@ -159,6 +160,7 @@ class ShmSegment:
             _W_DTYPE: _DTYPE_CODES[layout.dtype],
             _W_BLOCKS: num_blocks,
             _W_POOL_OFFSET: pool_offset,
+            _W_DETERMINISTIC: int(layout.deterministic),
         }
         for word, value in values.items():
             header[word] = value

@@ -74,17 +74,24 @@ def message_tag(seq: int) -> int:
 
 
 def encode_layout(layout: KVLayout) -> bytes:
+    # A sixth field only in deterministic mode, so a default record reads as before.
     return (
         f"{layout.num_layers},{layout.block_size},{layout.num_kv_heads},"
-        f"{layout.head_dim},{layout.dtype}"
+        f"{layout.head_dim},{layout.dtype}" + (",deterministic" if layout.deterministic else "")
     ).encode()
 
 
 def decode_layout(raw: bytes) -> KVLayout:
     parts = raw.decode().split(",")
-    if len(parts) != 5 or parts[4] not in DTYPE_SIZES:
+    if (
+        len(parts) not in (5, 6)
+        or parts[4] not in DTYPE_SIZES
+        or (len(parts) == 6 and parts[5] != "deterministic")
+    ):
         raise ValueError(f"malformed KV layout record {raw!r}")
-    return KVLayout(int(parts[0]), int(parts[1]), int(parts[2]), int(parts[3]), parts[4])
+    return KVLayout(
+        int(parts[0]), int(parts[1]), int(parts[2]), int(parts[3]), parts[4], len(parts) == 6
+    )
 
 
 @dataclass(frozen=True, slots=True)

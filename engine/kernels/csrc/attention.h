@@ -237,7 +237,7 @@ void decode_part(float* acc_out, float* m_out, float* l_out, const T* q_rows, in
 template <typename T>
 void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const T* kc, const T* vc, int64_t Hkv,
                            int64_t NB, int64_t bs, const at::Tensor& block_tables,
-                           const at::Tensor& context_lens, double scale, int64_t window) {
+                           const at::Tensor& context_lens, double scale, int64_t window, int64_t split) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t G = H / Hkv, NC = D / 16;
   const int64_t width = block_tables.size(1);
@@ -258,22 +258,33 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const T* kc, co
   // Work items are (sequence, kv head, part of the context). A batch with fewer
   // (sequence, kv head) pairs than two per thread splits long contexts into parts, on
   // block edges, so that every thread has work; parts merge by their max and sum.
+  // With ``split`` > 0 (deterministic mode) every context is cut into parts of ``split``
+  // tokens (whole blocks) from its first token, whatever the batch, the threads or the
+  // longest context, and the parts always merge the same way: a row's bits then depend
+  // on its own context alone.
   const int64_t pairs = B * Hkv;
   const int64_t threads = at::get_num_threads();
-  int64_t parts = 1;
-  if (threads > 1 && pairs < 2 * threads) {
-    const int64_t want = (2 * threads + pairs - 1) / pairs;
-    const int64_t max_by_len = std::max<int64_t>(1, longest / std::max<int64_t>(bs, 128));
-    parts = std::min<int64_t>({want, max_by_len, 64});
-  }
   const int64_t blocks_longest = (longest + bs - 1) / bs;
-  const int64_t blocks_per_part = (blocks_longest + parts - 1) / parts;
+  int64_t parts = 1;
+  int64_t blocks_per_part = blocks_longest;
+  if (split > 0) {
+    blocks_per_part = std::max<int64_t>(1, split / bs);
+    parts = (blocks_longest + blocks_per_part - 1) / blocks_per_part;
+  } else {
+    if (threads > 1 && pairs < 2 * threads) {
+      const int64_t want = (2 * threads + pairs - 1) / pairs;
+      const int64_t max_by_len = std::max<int64_t>(1, longest / std::max<int64_t>(bs, 128));
+      parts = std::min<int64_t>({want, max_by_len, 64});
+    }
+    blocks_per_part = (blocks_longest + parts - 1) / parts;
+  }
+  const bool merge = split > 0 || parts > 1;
   const int64_t items = pairs * parts;
-  std::vector<float> part_acc(parts > 1 ? size_t(items * G * D) : 0);
-  std::vector<float> part_ml(parts > 1 ? size_t(items * G * 2) : 0);
+  std::vector<float> part_acc(merge ? size_t(items * G * D) : 0);
+  std::vector<float> part_ml(merge ? size_t(items * G * 2) : 0);
   // Below ~8K token-heads of work a parallel region costs more than it saves.
   const int64_t work = total * Hkv;
-  const int64_t grain = parts > 1 ? 1 : std::max<int64_t>(1, (int64_t(8192) * items) / std::max<int64_t>(1, work));
+  const int64_t grain = merge ? 1 : std::max<int64_t>(1, (int64_t(8192) * items) / std::max<int64_t>(1, work));
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<float> acc(size_t(G * D));
@@ -286,9 +297,9 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const T* kc, co
       const int64_t t_lo = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
       const int64_t t_begin = std::max(std::min(lens[b], part * blocks_per_part * bs), t_lo / bs * bs);
       const int64_t t_end = std::min(lens[b], (part + 1) * blocks_per_part * bs);
-      float* acc_p = parts > 1 ? part_acc.data() + it * G * D : acc.data();
-      float* m_p = parts > 1 ? part_ml.data() + it * G * 2 : m;
-      float* l_p = parts > 1 ? m_p + G : l;
+      float* acc_p = merge ? part_acc.data() + it * G * D : acc.data();
+      float* m_p = merge ? part_ml.data() + it * G * 2 : m;
+      float* l_p = merge ? m_p + G : l;
       if (t_begin >= t_end) {  // this sequence is shorter than the part's start
         for (int64_t g = 0; g < G; ++g) {
           m_p[g] = -INFINITY;
@@ -310,7 +321,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const T* kc, co
       else
         decode_part<T, 0>(acc_p, m_p, l_p, qrows, q.stride(1), G, NC, kh, vh, bs, table, t_begin, t_end,
                           t_lo, float(scale), scores);
-      if (parts == 1) {
+      if (!merge) {
         for (int64_t g = 0; g < G; ++g) {
           T* orow = op + b * out.stride(0) + (h * G + g) * out.stride(1);
           const float inv = 1.f / l_p[g];
@@ -319,23 +330,26 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const T* kc, co
       }
     }
   });
-  if (parts == 1) return;
+  if (!merge) return;
+  // Parts in context order; an empty one (past the row's context, or before its window)
+  // is skipped, so that how many parts the longest context of the batch made never shows.
+  std::vector<float> w(static_cast<size_t>(parts));
   for (int64_t pair = 0; pair < pairs; ++pair) {
     const int64_t b = pair / Hkv, h = pair % Hkv;
     for (int64_t g = 0; g < G; ++g) {
       float mx = -INFINITY;
       for (int64_t p = 0; p < parts; ++p) mx = std::max(mx, part_ml[((pair * parts + p) * G * 2) + g]);
       float denom = 0.f;
-      float w[64];
       for (int64_t p = 0; p < parts; ++p) {
         const float* ml = part_ml.data() + (pair * parts + p) * G * 2;
         w[p] = ml[g] == -INFINITY ? 0.f : std::exp(ml[g] - mx);
-        denom += w[p] * ml[G + g];
+        if (w[p] != 0.f) denom += w[p] * ml[G + g];
       }
       T* orow = op + b * out.stride(0) + (h * G + g) * out.stride(1);
       for (int64_t d = 0; d < D; ++d) {
         float v = 0.f;
-        for (int64_t p = 0; p < parts; ++p) v += w[p] * part_acc[(pair * parts + p) * G * D + g * D + d];
+        for (int64_t p = 0; p < parts; ++p)
+          if (w[p] != 0.f) v += w[p] * part_acc[(pair * parts + p) * G * D + g * D + d];
         store_f(orow + d, v / denom);
       }
     }
@@ -345,10 +359,12 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const T* kc, co
 // out, q: [B, H, D] (unit last stride); kv_cache: [layers, 2, Hkv, NB, bs, D] contiguous,
 // of which layer ``layer`` is read; block_tables: [B, width] int64; context_lens: [B]
 // int64 (tokens including the query); window: attend to the last ``window`` tokens only
-// (0: the whole context).
+// (0: the whole context); split: reduce every context in parts of this many tokens
+// (whole blocks), merged in one fixed order, so that a row's result does not depend on
+// the batch (0: parts chosen per batch for the threads, the fastest).
 void decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache, int64_t layer,
                       const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-                      int64_t window) {
+                      int64_t window, int64_t split) {
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && q.stride(2) == 1 && out.stride(2) == 1,
               "decode_attention: q/out must be [B, H, D] with unit last stride");
   TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.is_contiguous() && kv_cache.size(1) == 2,
@@ -367,16 +383,17 @@ void decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv
               "decode_attention: needs heads % kv_heads == 0, group <= 16, head_dim % 16 == 0, <= 256");
   TORCH_CHECK(block_tables.size(0) == B && context_lens.numel() == B, "decode_attention: batch mismatch");
   TORCH_CHECK(window >= 0, "decode_attention: window must be >= 0, got ", window);
+  TORCH_CHECK(split >= 0, "decode_attention: split must be >= 0, got ", split);
   if (B == 0) return;
   const int64_t per_kv = Hkv * NB * bs * D;  // elements of one layer's K (or V)
   if (q.scalar_type() == at::kFloat) {
     const float* base = kv_cache.data_ptr<float>() + layer * 2 * per_kv;
     decode_attention_impl<float>(out, q, base, base + per_kv, Hkv, NB, bs, block_tables, context_lens, scale,
-                                 window);
+                                 window, split);
   } else if (q.scalar_type() == at::kBFloat16) {
     const bf16* base = kv_cache.data_ptr<bf16>() + layer * 2 * per_kv;
     decode_attention_impl<bf16>(out, q, base, base + per_kv, Hkv, NB, bs, block_tables, context_lens, scale,
-                                window);
+                                window, split);
   } else {
     TORCH_CHECK(false, "decode_attention: dtype ", q.scalar_type(), " not supported");
   }

@@ -34,18 +34,20 @@ KV_DTYPE_BFLOAT16: KVDtype
 KV_DTYPE_FLOAT16: KVDtype
 
 class KVLayout(_message.Message):
-    __slots__ = ("num_layers", "block_size", "num_kv_heads", "head_dim", "dtype")
+    __slots__ = ("num_layers", "block_size", "num_kv_heads", "head_dim", "dtype", "deterministic")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DETERMINISTIC_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     block_size: int
     num_kv_heads: int
     head_dim: int
     dtype: KVDtype
-    def __init__(self, num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[_Union[KVDtype, str]] = ...) -> None: ...
+    deterministic: bool
+    def __init__(self, num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[_Union[KVDtype, str]] = ..., deterministic: _Optional[bool] = ...) -> None: ...
 
 class KVDescriptor(_message.Message):
     __slots__ = ("transport", "endpoint", "block_ids", "layout", "incarnation_id", "block_epoch", "request_id", "num_blocks", "lease_token", "handle")
