@@ -7,10 +7,11 @@ request (gateway.validation), under OpenAI's field names. Every failure is a
 field as the error's ``param``.
 
 Nothing is silently ignored: a field that would change the output and that baton cannot
-honour (``n > 1``, tools, ``logit_bias``, a JSON ``response_format``, ``echo``, ...) is
-refused, and so is a field OpenAI does not define (beyond vLLM's sampling extras, which
-baton supports). A field set to ``null``, or to the value that means "off" (``n: 1``,
-``tools: []``, ``response_format: {"type": "text"}``), is accepted.
+honour (``n > 1``, ``logit_bias``, ``echo``, ...) is refused, and so is a field OpenAI
+does not define (beyond vLLM's sampling and structured-output extras, which baton
+supports). A field set to ``null``, or to the value that means "off" (``n: 1``,
+``tools: []``), is accepted. ``response_format`` and vLLM's constraint fields become one
+``Constraint`` (gateway.openai_constraint).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.sampling_params import SamplingParams
+from gateway.openai_constraint import CONSTRAINT_FIELDS, request_constraint
 from gateway.served_model import ModelCard
 from gateway.validation import (
     FieldError,
@@ -64,7 +66,6 @@ _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "functions": ([],),
     "tool_choice": ("none",),
     "function_call": ("none",),
-    "response_format": ({"type": "text"},),
     "modalities": (["text"],),
     "store": (False,),
 }
@@ -80,6 +81,7 @@ _COMMON = (
     *_SAMPLING_FIELDS,
     *_BOOL_FIELDS,
     *_INFORMATIONAL,
+    *CONSTRAINT_FIELDS,
 )
 _COMPLETION_FIELDS = frozenset((*_COMMON, "prompt", "n", "best_of", "echo", "suffix", "logit_bias"))
 _CHAT_FIELDS = frozenset(
@@ -321,6 +323,9 @@ def _sampling_params(
         values["stop_token_ids"] = tuple(ids)
     names = {field: name for name, field in _SAMPLING_FIELDS.items()}
     names |= {"max_tokens": max_tokens_field, "logprobs": logprobs_field}
+    constraint = request_constraint(b)
+    if constraint is not None:
+        values["constraint"], names[constraint[0].field] = constraint
 
     def path(field: str) -> str:
         return names.get(field, field)
@@ -366,7 +371,6 @@ def _why_off(name: str) -> str:
         "functions": "function calling is not supported",
         "tool_choice": "tool calling is not supported",
         "function_call": "function calling is not supported",
-        "response_format": "only {'type': 'text'} is supported",
         "modalities": "only text output is supported",
         "store": "completions are not stored",
     }[name]

@@ -51,7 +51,33 @@ REFUSED: list[tuple[str, Endpoint, dict[str, Any], str]] = [
     ),
     ("tool-choice", CHAT, chat(tool_choice="required"), "tool_choice"),
     ("functions", CHAT, chat(functions=[{"name": "f"}]), "functions"),
-    ("json-format", CHAT, chat(response_format={"type": "json_object"}), "response_format"),
+    (
+        "json-schema-invalid",
+        CHAT,
+        chat(response_format={"type": "json_schema", "json_schema": {"schema": {"type": "x"}}}),
+        "response_format.json_schema.schema",
+    ),
+    (
+        "json-schema-unsupported-keyword",
+        COMPLETIONS,
+        completion(
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "s", "schema": {"unevaluatedProperties": False}},
+            }
+        ),
+        "response_format.json_schema.schema",
+    ),
+    ("format-type", CHAT, chat(response_format={"type": "yaml"}), "response_format.type"),
+    ("regex-unclosed", COMPLETIONS, completion(guided_regex="[a-z]+("), "guided_regex"),
+    ("choice-empty", CHAT, chat(structured_outputs={"choice": []}), "structured_outputs.choice"),
+    ("grammar-unknown-rule", CHAT, chat(guided_grammar="start: foo"), "guided_grammar"),
+    (
+        "two-constraints",
+        CHAT,
+        chat(response_format={"type": "json_object"}, guided_regex="a+"),
+        "guided_regex",
+    ),
     ("audio", CHAT, chat(audio={"voice": "alloy", "format": "wav"}), "audio"),
     ("unknown", COMPLETIONS, completion(frobnicate=1), "frobnicate"),
     ("chat-field-on-completions", COMPLETIONS, completion(messages=USER), "messages"),
