@@ -26,7 +26,8 @@ from rpc.convert import sampling_params_from_proto
 if TYPE_CHECKING:
     from gateway.served_model import ModelCard
 
-CHAT_ROLES = ("system", "user", "assistant")
+# "tool": a tool's result, in reply to an assistant's tool call (gateway.openai_tools).
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_REQUEST_ID_CHARS = 128
