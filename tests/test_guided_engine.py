@@ -143,8 +143,11 @@ def test_split_sees_the_state_one_engine_sees(
     decode = make_core(tiny_llama, seed=3)
     split = _split(make_core(tiny_llama, seed=2), decode, "s", PROMPT, params)
     assert split == whole
-    # The decode side's matcher took the prefill side's first token, then its own.
-    assert decode.runner.guided.num_masked_rows == len(whole) - 1
+    # The decode side's matcher took the prefill side's first token, then its own; after
+    # its first step each next mask was filled on the side thread while the forward ran.
+    guided = decode.runner.guided
+    assert guided.num_masked_rows == len(whole) - 1
+    assert guided.num_masks_ahead == guided.num_masked_rows - 1
 
 
 def test_a_moved_request_resumes_the_constraint(core: EngineCore) -> None:
