@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -37,6 +38,7 @@ LIMITS = {
     "max_grammar_size": 500_000,
 }
 MAX_CACHED_GRAMMARS = 256
+MAX_ERROR_CHARS = 400
 # JSON as OpenAI's models write it (``{"a": 1, "b": [2, 3]}``), without free whitespace
 # between tokens: a model may otherwise spend its whole budget on blanks inside a valid
 # object. A schema's own ``x-guidance`` options override these.
@@ -100,8 +102,12 @@ def check_constraint(constraint: Constraint) -> None:
 
 
 def _first_line(messages: Sequence[str]) -> str:
-    text = messages[0] if messages else "unknown error"
-    return text.strip().splitlines()[0] if text.strip() else "unknown error"
+    """llguidance's error on one line: its text lines, without the source excerpt it
+    points into (lines of ``^`` marks and ``N | ...`` quotes)."""
+    text = messages[0] if messages else ""
+    lines = [ln.strip() for ln in text.splitlines()]
+    kept = [ln for ln in lines if ln and not ln.startswith("^") and not re.match(r"\d+ \|", ln)]
+    return " ".join(kept)[:MAX_ERROR_CHARS] or "unknown error"
 
 
 class GrammarCompiler:

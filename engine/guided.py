@@ -55,7 +55,7 @@ class GuidedRow:
 @dataclass(slots=True)
 class _Track:
     request: Request
-    matcher: llguidance.LLMatcher
+    matcher: llguidance.LLMatcher | None  # None: the constraint did not compile here
     consumed: int = 0  # output tokens the matcher has taken
     failed: bool = False
 
@@ -106,7 +106,7 @@ class GuidedDecoding:
         todo: list[tuple[llguidance.LLMatcher, int]] = []
         for j, r in enumerate(rows):
             track = self._sync(r)
-            if track.failed:
+            if track.failed or track.matcher is None:
                 bitmask[j] = 0
                 continue
             ready = ahead.get(r.request.request_id)
@@ -131,7 +131,7 @@ class GuidedDecoding:
         moved: list[tuple[str, _Track]] = []
         for rid, token in sampled:
             track = self._tracks.get(rid)
-            if track is None or track.failed:
+            if track is None or track.failed or track.matcher is None:
                 continue
             if track.matcher.is_stopped():
                 track.consumed += 1  # the EOS that ends a complete output
@@ -160,9 +160,8 @@ class GuidedDecoding:
         assert self._executor is not None and self._compiler is not None
         words = (self._compiler.vocab_size + 31) // 32
         bitmask = torch.full((len(moved), words), -1, dtype=torch.int32)
-        llguidance.torch.fill_next_token_bitmask_par(
-            self._executor, [(t.matcher, j) for j, (_, t) in enumerate(moved)], bitmask
-        )
+        matchers = [(t.matcher, j) for j, (_, t) in enumerate(moved) if t.matcher is not None]
+        llguidance.torch.fill_next_token_bitmask_par(self._executor, matchers, bitmask)
         return {rid: (t.consumed, bitmask[j]) for j, (rid, t) in enumerate(moved)}
 
     def _sync(self, r: GuidedRow) -> _Track:
@@ -174,10 +173,15 @@ class GuidedDecoding:
         if track is None or track.request is not req or track.consumed > len(out):
             constraint = req.params.constraint
             assert constraint is not None
-            track = _Track(req, self.compiler.matcher(constraint))
+            try:
+                track = _Track(req, self.compiler.matcher(constraint))
+            except ValueError as exc:  # admission checked it; this tokenizer still refused
+                logger.warning("request %s: %s; it may only end now", rid, exc)
+                track = _Track(req, None, failed=True)
             self._tracks[rid] = track
         if track.failed or track.consumed == len(out):
             return track
+        assert track.matcher is not None
         new = out[track.consumed :]
         if track.matcher.is_stopped():
             track.consumed = len(out)
@@ -189,11 +193,13 @@ class GuidedDecoding:
 
     def _fail(self, rid: str, track: _Track, token: int | None) -> None:
         track.failed = True
+        assert track.matcher is not None
+        error = track.matcher.get_error()
         logger.warning(
             "request %s: its output left its constraint (token %s): %s; it may only end now",
             rid,
             token,
-            track.matcher.get_error().splitlines()[0] if track.matcher.get_error() else "",
+            error.splitlines()[0] if error else "",
         )
 
     def _forget_finished(self) -> None:
