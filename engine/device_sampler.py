@@ -5,7 +5,7 @@ device; on a GPU each of those waits for the whole queued forward pass. Here row
 ask only for greedy, temperature, top-k, top-p, min-p or a seed, without logprobs,
 penalties or min_tokens, take one path whose parameters travel in one pinned buffer
 with one non-blocking copy; the only synchronisation left is reading the chosen tokens
-back. Any other batch goes to ``Sampler`` unchanged.
+back. Any other batch (a constrained row's too) goes to ``Sampler`` unchanged.
 
 For such rows the result equals ``Sampler``'s: the same exponential race over the same
 noise, drawn from the same generators in the same shapes and order.
@@ -13,10 +13,15 @@ noise, drawn from the same generators in the same shapes and order.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from engine.request import TokenLogprob
 from engine.sampler import Sampler, SamplingRow
+
+if TYPE_CHECKING:
+    from engine.guided import GrammarMasks
 
 # Rows of the packed parameter buffer; _UNSEEDED lists the unseeded rows' indices.
 _GREEDY, _TEMP, _TOP_K, _TOP_P, _MIN_P, _UNSEEDED = range(6)
@@ -35,10 +40,10 @@ class DeviceSampler(Sampler):
         self._host = torch.empty((6, 0), dtype=torch.float32)
 
     def __call__(
-        self, logits: torch.Tensor, rows: list[SamplingRow]
+        self, logits: torch.Tensor, rows: list[SamplingRow], masks: GrammarMasks | None = None
     ) -> list[tuple[int, TokenLogprob | None]]:
-        if not all(_plain(r) for r in rows):
-            return super().__call__(logits, rows)
+        if masks is not None or not all(_plain(r) for r in rows):
+            return super().__call__(logits, rows, masks)
         if all(r.params.greedy for r in rows):
             chosen = logits.argmax(dim=-1)
         else:

@@ -18,6 +18,7 @@ from engine.block_pool import BlockPool
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_runner import CudaModelRunner
 from engine.device import resolve_device
+from engine.grammar import check_constraint
 from engine.kv_events import KVEventLog
 from engine.kv_layout import KVLayout
 from engine.layers.attention import build_triton_attention, choose_gpu_attention
@@ -138,6 +139,8 @@ class EngineCore:
                     f"prompt_token_ids contains {tok!r}, outside the vocabulary [0, {vocab})"
                 )
         params.validate_vocab(vocab)
+        if params.constraint is not None:
+            self._check_constraint(params)
         if params.output_offset >= len(prompt_token_ids):
             raise ValueError(
                 f"output_offset ({params.output_offset}) must be less than the prompt's "
@@ -151,6 +154,16 @@ class EngineCore:
             eos_token_ids=frozenset(self.model_config.eos_token_ids),
             hold_kv=hold_kv,
         )
+
+    def _check_constraint(self, params: SamplingParams) -> None:
+        """A constraint must compile, and needs the checkpoint's tokenizer to mask by."""
+        assert params.constraint is not None
+        if not (self.files.path / "tokenizer.json").is_file():
+            raise ValueError(
+                f"{params.constraint.field}: model {self.files.name} has no tokenizer.json, "
+                "which constrained decoding needs"
+            )
+        check_constraint(params.constraint)
 
     def add_request(self, req: Request) -> None:
         self.scheduler.add(req)

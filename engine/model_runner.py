@@ -10,7 +10,8 @@ scheduled from the previous step's samples, runs the forward and samples, on the
 thread (``submit_run`` queues it there and returns a future). Steps run in the order
 they are queued. ``execute`` is the two in a row. ``timeline`` (engine.timeline; set by
 the ``AsyncEngine`` that drives the runner, OFF otherwise) gets each step's prepare,
-forward and sample spans.
+forward and sample spans. Constrained requests (``SamplingParams.constraint``) are
+masked by ``engine.guided``, whose matchers live here beside the sampler.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import ctypes
+import functools
 import logging
 import os
 import time
@@ -30,6 +32,8 @@ from engine.compute_thread import ComputeThread
 from engine.config import EngineConfig, ModelConfig
 from engine.device import build_on, resolve_device
 from engine.forward_context import AttentionMetadata, ForwardContext, PrefillSeq, forward_context
+from engine.grammar import GrammarCompiler
+from engine.guided import GuidedDecoding, GuidedRow
 from engine.huge_pages import zeros_on_huge_pages
 from engine.kernels.cpu import cpu_kernels
 from engine.kernels.route_bench import RouteRequest, known_routes, measure_routes
@@ -115,6 +119,12 @@ class ModelRunner:
             self.compute.shutdown()
             raise
         self._last_sampled: dict[str, int] = {}
+        self.guided = GuidedDecoding(
+            functools.partial(_grammar_compiler, checkpoint, model_cfg.eos_token_ids),
+            model_cfg.vocab_size,
+            model_cfg.eos_token_ids,
+            self.device,
+        )
         # Wall seconds inside the model forward (and logits): the busy fraction's numerator,
         # the same whichever loop drives the runner.
         self.busy_seconds = 0.0
@@ -207,6 +217,7 @@ class ModelRunner:
     def close(self) -> None:
         """End the compute thread once queued steps are done. Idempotent."""
         self.compute.shutdown()
+        self.guided.close()
 
     # -- the step ---------------------------------------------------------------------
 
@@ -261,7 +272,15 @@ class ModelRunner:
         if sample_seq_idx:
             with self.timeline.span("sample", RUNNER):
                 rows = [self._sampling_row(seqs[i]) for i in sample_seq_idx]
-                sampled = self.sampler(logits, rows)
+                guided = [
+                    self._guided_row(j, seqs[i])
+                    for j, i in enumerate(sample_seq_idx)
+                    if seqs[i].request.params.constraint is not None
+                ]
+                masks = self.guided.masks(guided)
+                sampled = self.sampler(logits, rows, masks)
+                if guided:
+                    self.guided.accept([(g.request.request_id, sampled[g.row][0]) for g in guided])
             for i, (tok, lp) in zip(sample_seq_idx, sampled, strict=True):
                 results[i] = SampledToken(tok, lp)
                 last[seqs[i].request.request_id] = tok
@@ -323,6 +342,17 @@ class ModelRunner:
             token_ids=token_ids,
             num_prompt_tokens=num_prompt,
         )
+
+    def _guided_row(self, row: int, seq: ScheduledSeq) -> GuidedRow:
+        """A constrained row: its output tokens so far, counted from where its output
+        really began (a moved request's prompt ends with its earlier outputs)."""
+        req = seq.request
+        end = seq.start + seq.num_new
+        out_start = req.num_prompt_tokens - req.params.output_offset
+        tokens = req.all_token_ids[out_start:end]
+        if out_start + len(tokens) < end:  # the previous step's token, not yet appended
+            tokens.append(self._last_sampled[req.request_id])
+        return GuidedRow(row, req, tokens)
 
     def _prepare(self, sched: SchedulerOutput) -> PreparedStep:
         bs = self.block_size
@@ -400,6 +430,13 @@ class ModelRunner:
             pending_rows=pending_rows,
             pending_ids=pending_ids,
         )
+
+
+def _grammar_compiler(checkpoint: Path, eos_token_ids: tuple[int, ...]) -> GrammarCompiler:
+    """The checkpoint's tokenizer as the grammar library sees it (made on first use)."""
+    from transformers import AutoTokenizer
+
+    return GrammarCompiler.from_hf(AutoTokenizer.from_pretrained(checkpoint), eos_token_ids)
 
 
 def _step_args(sched: SchedulerOutput) -> dict[str, int]:

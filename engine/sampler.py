@@ -7,16 +7,24 @@ seeded by (seed, position) alone (``position_generator``), so its tokens depend 
 on which other requests share the batch nor on which process samples which position: a
 prefill worker drawing position 0 and a decode worker drawing the rest give the tokens a
 single process would.
+
+A constrained row (``engine.guided``) has every token its grammar does not allow masked
+to -inf before anything else; the other rows' logits are not touched, so they draw what
+they would alone.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.request import TokenLogprob
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.guided import GrammarMasks
 
 _MASK64 = (1 << 64) - 1
 
@@ -59,11 +67,16 @@ class Sampler:
         self._gen.manual_seed(seed)
 
     def __call__(
-        self, logits: torch.Tensor, rows: list[SamplingRow]
+        self, logits: torch.Tensor, rows: list[SamplingRow], masks: GrammarMasks | None = None
     ) -> list[tuple[int, TokenLogprob | None]]:
-        """logits: [S, V] float32, one row per entry of ``rows``."""
+        """logits: [S, V] float32, one row per entry of ``rows``; ``masks``: the tokens
+        the constrained rows may take. Log-probabilities are the model's, before masks."""
         raw = logits
-        logits = logits.clone() if any(_needs_edit(r) for r in rows) else logits
+        edit = masks is not None or any(_needs_edit(r) for r in rows)
+        logits = logits.clone() if edit else logits
+        if masks is not None:
+            index = torch.tensor(masks.rows, device=logits.device)
+            logits[index] = logits[index].masked_fill(~masks.allowed, float("-inf"))
         for i, row in enumerate(rows):
             p = row.params
             if p.has_penalties and row.token_ids is not None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from engine.constraint import Constraint
+
 MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 64
 
@@ -22,8 +24,11 @@ class SamplingParams:
     ``output_offset`` is set only on a request that moved between decode workers
     (``gateway.migration``): its prompt ends with the ``output_offset`` tokens it had
     already produced, and ``max_tokens``/``min_tokens`` are what was left of them. Seeded
-    draws and the output-only penalties count from the original output's start, so the
-    moved request samples as it would have where it was.
+    draws, the output-only penalties and the ``constraint``'s state count from the original
+    output's start, so the moved request samples as it would have where it was.
+
+    ``constraint`` (``engine.constraint``): the output must match it; every other token is
+    masked before sampling.
     """
 
     max_tokens: int = 16
@@ -40,6 +45,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     output_offset: int = 0
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, low=1)
@@ -81,6 +87,8 @@ class SamplingParams:
             if not -2.0 <= value <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
         _check_int("output_offset", self.output_offset, low=0)
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise ValueError(f"constraint must be a Constraint, got {self.constraint!r}")
 
     @property
     def greedy(self) -> bool:

@@ -7,10 +7,11 @@ request (gateway.validation), under OpenAI's field names. Every failure is a
 field as the error's ``param``.
 
 Nothing is silently ignored: a field that would change the output and that baton cannot
-honour (``n > 1``, tools, ``logit_bias``, a JSON ``response_format``, ``echo``, ...) is
-refused, and so is a field OpenAI does not define (beyond vLLM's sampling extras, which
-baton supports). A field set to ``null``, or to the value that means "off" (``n: 1``,
-``tools: []``, ``response_format: {"type": "text"}``), is accepted.
+honour (``n > 1``, ``logit_bias``, ``echo``, ...) is refused, and so is a field OpenAI
+does not define (beyond vLLM's sampling and structured-output extras, which baton
+supports). A field set to ``null``, or to the value that means "off" (``n: 1``,
+``tools: []``), is accepted. ``response_format`` and vLLM's constraint fields become one
+``Constraint`` (gateway.openai_constraint).
 """
 
 from __future__ import annotations
@@ -22,6 +23,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.sampling_params import SamplingParams
+from gateway.openai_constraint import CONSTRAINT_FIELDS, request_constraint
+from gateway.openai_tools import (
+    ToolPlan,
+    assistant_calls_text,
+    parse_tools,
+    with_tools_prompt,
+)
 from gateway.served_model import ModelCard
 from gateway.validation import (
     FieldError,
@@ -60,11 +68,8 @@ _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "echo": (False,),
     "suffix": ("",),
     "logit_bias": ({},),
-    "tools": ([],),
     "functions": ([],),
-    "tool_choice": ("none",),
     "function_call": ("none",),
-    "response_format": ({"type": "text"},),
     "modalities": (["text"],),
     "store": (False,),
 }
@@ -80,6 +85,7 @@ _COMMON = (
     *_SAMPLING_FIELDS,
     *_BOOL_FIELDS,
     *_INFORMATIONAL,
+    *CONSTRAINT_FIELDS,
 )
 _COMPLETION_FIELDS = frozenset((*_COMMON, "prompt", "n", "best_of", "echo", "suffix", "logit_bias"))
 _CHAT_FIELDS = frozenset(
@@ -88,6 +94,8 @@ _CHAT_FIELDS = frozenset(
         "messages",
         "max_completion_tokens",
         "top_logprobs",
+        "tools",
+        "tool_choice",
         *(name for name in _OFF_VALUES if name not in ("best_of", "echo", "suffix")),
     )
 )
@@ -111,7 +119,10 @@ _MESSAGE_ROLES = {
     "developer": "system",
     "user": "user",
     "assistant": "assistant",
+    "tool": "tool",
 }
+# Message keys beyond role and content, by role (tool calling: gateway.openai_tools).
+_MESSAGE_KEYS = {"assistant": ("tool_calls",), "tool": ("tool_call_id", "name")}
 
 
 class Endpoint(enum.Enum):
@@ -133,6 +144,7 @@ class OpenAIRequest:
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
     logprobs: bool  # whether choices carry log-probabilities (top-n in input.params)
+    tools: ToolPlan | None = None  # chat: the tools the model may call, and how
 
 
 def parse_request(
@@ -166,18 +178,20 @@ def parse_request(
             raise FieldError(name, f"{name} must be a boolean, got {b[name]!r}")
     stream = b.get("stream", False)
     include_usage = _stream_options(b, stream)
+    plan = None
     if endpoint is Endpoint.COMPLETIONS:
         prompt = _completion_prompt(b, card)
         max_tokens_field = "max_tokens"
         default_max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
         logprobs_field, logprobs = "logprobs", _int_or_none(b, "logprobs")
     else:
-        prompt = _chat_prompt(b, card)
+        plan = parse_tools(b)
+        prompt = _chat_prompt(b, card, plan)
         max_tokens_field = "max_completion_tokens" if "max_completion_tokens" in b else "max_tokens"
         default_max_tokens = card.max_model_len  # the engine stops at the context limit
         logprobs_field, logprobs = _chat_logprobs(b)
     params = _sampling_params(
-        b, card, (max_tokens_field, default_max_tokens), (logprobs_field, logprobs)
+        b, card, (max_tokens_field, default_max_tokens), (logprobs_field, logprobs), plan
     )
     stop = b.get("stop", [])
     if isinstance(stop, str):
@@ -198,6 +212,7 @@ def parse_request(
         stream=stream,
         include_usage=include_usage,
         logprobs=logprobs is not None,
+        tools=plan,
     )
 
 
@@ -240,7 +255,7 @@ def _completion_prompt(b: Mapping[str, Any], card: ModelCard) -> dict[str, Any]:
     raise FieldError(field, f"{field} must be a string or a list of token ids, got {_kind(prompt)}")
 
 
-def _chat_prompt(b: Mapping[str, Any], card: ModelCard) -> dict[str, Any]:
+def _chat_prompt(b: Mapping[str, Any], card: ModelCard, plan: ToolPlan | None) -> dict[str, Any]:
     messages = b.get("messages")
     if not isinstance(messages, list):
         raise FieldError("messages", f"messages must be a list of messages, got {_kind(messages)}")
@@ -250,17 +265,21 @@ def _chat_prompt(b: Mapping[str, Any], card: ModelCard) -> dict[str, Any]:
         field = f"messages[{i}]"
         if not isinstance(message, Mapping):
             raise FieldError(field, f"{field} must be an object, got {_kind(message)}")
-        for key, value in message.items():
-            if key not in ("role", "content") and value is not None:
-                raise FieldError(f"{field}.{key}", f"{field}.{key} is not supported")
         role = message.get("role")
         if role not in _MESSAGE_ROLES:
             raise FieldError(
                 f"{field}.role",
                 f"{field}.role must be one of {', '.join(_MESSAGE_ROLES)}, got {role!r}",
             )
-        pairs.append((_MESSAGE_ROLES[role], _content(message.get("content"), f"{field}.content")))
-    turns = check_chat(pairs, max_prompt_chars(card), "messages")
+        for key, value in message.items():
+            if key not in ("role", "content", *_MESSAGE_KEYS.get(role, ())) and value is not None:
+                raise FieldError(f"{field}.{key}", f"{field}.{key} is not supported")
+        if message.get("tool_calls") is not None:
+            content = assistant_calls_text(message["tool_calls"], f"{field}.tool_calls")
+        else:
+            content = _content(message.get("content"), f"{field}.content")
+        pairs.append((_MESSAGE_ROLES[role], content))
+    turns = check_chat(with_tools_prompt(pairs, plan), max_prompt_chars(card), "messages")
     return {"chat": turns, "prompt_path": "messages"}
 
 
@@ -301,6 +320,7 @@ def _sampling_params(
     card: ModelCard,
     max_tokens: tuple[str, int],
     logprobs: tuple[str, int | None],
+    plan: ToolPlan | None = None,
 ) -> SamplingParams:
     """``max_tokens``: the body field that sets it, and its default; ``logprobs``: the body
     field that sets it, and the top-n count (None: off)."""
@@ -321,6 +341,15 @@ def _sampling_params(
         values["stop_token_ids"] = tuple(ids)
     names = {field: name for name, field in _SAMPLING_FIELDS.items()}
     names |= {"max_tokens": max_tokens_field, "logprobs": logprobs_field}
+    constraint = request_constraint(b)
+    forced = plan.constraint() if plan is not None else None
+    if forced is not None and constraint is not None:
+        raise FieldError(
+            constraint[1], f"{constraint[1]} cannot constrain a reply that must call a tool"
+        )
+    constraint = constraint or forced
+    if constraint is not None:
+        values["constraint"], names[constraint[0].field] = constraint
 
     def path(field: str) -> str:
         return names.get(field, field)
@@ -362,11 +391,8 @@ def _why_off(name: str) -> str:
         "echo": "the prompt is not echoed",
         "suffix": "insertion is not supported",
         "logit_bias": "logit bias is not supported",
-        "tools": "tool calling is not supported",
         "functions": "function calling is not supported",
-        "tool_choice": "tool calling is not supported",
         "function_call": "function calling is not supported",
-        "response_format": "only {'type': 'text'} is supported",
         "modalities": "only text output is supported",
         "store": "completions are not stored",
     }[name]

@@ -7,6 +7,14 @@ accumulates for ``response()``, the non-streaming body. Log-probabilities come i
 endpoint's own shape: ``{tokens, token_logprobs, top_logprobs, text_offset}`` for
 completions, ``{content: [{token, logprob, bytes, top_logprobs}]}`` for chat.
 
+Tool calls (a request with ``tools``; gateway.openai_tools): the message carries
+``tool_calls`` (content null) and the finish reason is ``tool_calls`` when the output
+parses as calls (gateway.tool_calls); otherwise the text is the content, as without
+tools. Streaming a named function's call sends the arguments as they are generated
+(``tool_calls[0].function.arguments`` deltas after one delta with its id and name); with
+``auto`` or ``required`` the text is held until the end, then sent as the calls (one
+delta) or as content.
+
 baton's one extension: ``baton_timings``, the request's per-phase timings in seconds
 (``queued_s``, ``reserved_s``, ``prefill_s``, ``transfer_s``, ``first_token_s``,
 ``decode_s``, ``total_s``; a phase that did not happen is left out), on the
@@ -23,7 +31,9 @@ from typing import Any
 from engine.errors import AbortedError
 from engine.request import FinishReason, RequestTimings, TokenLogprob
 from gateway.openai_request import Endpoint, OpenAIRequest
+from gateway.openai_tools import ToolChoice
 from gateway.output_processor import GenerateDelta, Usage
+from gateway.tool_calls import new_call_id, parse_tool_calls
 
 SSE_DONE = b"data: [DONE]\n\n"
 TIMINGS_KEY = "baton_timings"  # baton's extension field (see the module doc)
@@ -77,6 +87,9 @@ class ResponseBuilder:
         self._finish_reason: str | None = None
         self._usage: Usage | None = None
         self._timings: RequestTimings | None = None
+        self._plan = req.tools if self._chat else None
+        self._named_call_id: str | None = None  # a streamed named call, once it opened
+        self._held_logprobs: list[TokenLogprob] = []
 
     # -- streaming ----------------------------------------------------------------------
 
@@ -88,7 +101,9 @@ class ResponseBuilder:
             self._sent_role = True
             out.append(self._chunk({"role": "assistant", "content": ""}, None, None))
         logprobs = self._format_logprobs(delta.logprobs) if self._req.logprobs else None
-        if self._chat:
+        if self._plan is not None:
+            out += self._tool_chunks(delta, finish)
+        elif self._chat:
             out.append(self._chunk({"content": delta.text} if delta.text else {}, logprobs, finish))
         else:
             out.append(self._chunk(delta.text, logprobs, finish))
@@ -96,6 +111,37 @@ class ResponseBuilder:
             self._timings = delta.timings
             if not self._req.include_usage:
                 self._add_timings(out[-1])
+        return out
+
+    def _tool_chunks(self, delta: GenerateDelta, finish: str | None) -> list[dict[str, Any]]:
+        """A stream's chunks for a request that may call tools (see the module doc)."""
+        assert self._plan is not None
+        out = []
+        if self._plan.choice is ToolChoice.NAMED:
+            logprobs = self._format_logprobs(delta.logprobs) if self._req.logprobs else None
+            call: dict[str, Any] = {"index": 0, "function": {"arguments": delta.text}}
+            if self._named_call_id is None:
+                self._named_call_id = new_call_id()
+                call |= {"id": self._named_call_id, "type": "function"}
+                call["function"] = {"name": self._plan.named, "arguments": delta.text}
+            if delta.text or "id" in call:
+                out.append(self._chunk({"tool_calls": [call]}, logprobs, None))
+            if finish is not None:
+                out.append(self._chunk({}, None, "tool_calls" if finish == "stop" else finish))
+            return out
+        self._text.append(delta.text)
+        self._held_logprobs.extend(delta.logprobs or ())
+        if finish is None:
+            return out
+        text = "".join(self._text)
+        logprobs = self._format_logprobs(self._held_logprobs) if self._req.logprobs else None
+        calls = parse_tool_calls(text, self._plan)
+        if calls is None:
+            out.append(self._chunk({"content": text} if text else {}, logprobs, finish))
+        else:
+            deltas = [{"index": i, **c.as_dict()} for i, c in enumerate(calls)]
+            out.append(self._chunk({"tool_calls": deltas}, logprobs, None))
+            out.append(self._chunk({}, None, "tool_calls"))
         return out
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
@@ -138,12 +184,21 @@ class ResponseBuilder:
                 whole["refusal"] = None
             logprobs = whole
         choice: dict[str, Any] = {"index": 0}
+        finish_reason = self._finish_reason
         if self._chat:
             choice["message"] = {"role": "assistant", "content": text}
+            calls = parse_tool_calls(text, self._plan) if self._plan is not None else None
+            if calls is not None:
+                choice["message"] = {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [c.as_dict() for c in calls],
+                }
+                finish_reason = "tool_calls"
         else:
             choice["text"] = text
         choice["logprobs"] = logprobs
-        choice["finish_reason"] = self._finish_reason
+        choice["finish_reason"] = finish_reason
         whole = self._envelope(self._object("whole"), [choice], usage=usage_dict(self._usage))
         return self._add_timings(whole)
 

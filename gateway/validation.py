@@ -17,6 +17,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from engine.constraint import Constraint
+from engine.grammar import check_constraint
 from engine.sampling_params import SamplingParams
 from protos.baton.v1 import generate_pb2
 from rpc.convert import sampling_params_from_proto
@@ -24,7 +26,8 @@ from rpc.convert import sampling_params_from_proto
 if TYPE_CHECKING:
     from gateway.served_model import ModelCard
 
-CHAT_ROLES = ("system", "user", "assistant")
+# "tool": a tool's result, in reply to an assistant's tool call (gateway.openai_tools).
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_REQUEST_ID_CHARS = 128
@@ -159,6 +162,18 @@ def check_sampling_params(
             path("logprobs"),
             f"{path('logprobs')} must be <= {card.max_logprobs}, got {params.logprobs}",
         )
+    if params.constraint is not None:
+        check_constraint_compiles(params.constraint, path)
+
+
+def check_constraint_compiles(constraint: Constraint, path: Callable[[str], str]) -> None:
+    """A schema, regex or grammar must compile (within the compile limits) before the
+    request is queued anywhere; ``path`` names the field that carried it."""
+    try:
+        check_constraint(constraint)
+    except ValueError as exc:  # "json_schema does not compile: ..."
+        field = path(constraint.field)
+        raise FieldError(field, field + str(exc).removeprefix(constraint.field)) from exc
 
 
 def check_request_id(rid: str, field: str) -> str:

@@ -17,10 +17,14 @@ from engine.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 from engine.stats import EngineStats
 from engine.transfer.base import KVDescriptor, KVEndpoint
 from protos.baton.v1 import common_pb2, kv_pb2, worker_pb2
+from rpc.convert_constraint import constraint_from_proto, constraint_to_proto
 
 _SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
-# SamplingParams fields that are `optional` scalars on the wire (all but the repeated one).
-_OPTIONAL_SCALARS = tuple(name for name in _SAMPLING_FIELDS if name != "stop_token_ids")
+# SamplingParams fields that are `optional` scalars on the wire (all but the repeated one
+# and the constraint, a oneof: rpc.convert_constraint).
+_OPTIONAL_SCALARS = tuple(
+    name for name in _SAMPLING_FIELDS if name not in ("stop_token_ids", "constraint")
+)
 
 _FINISH_TO_PROTO = {
     None: common_pb2.FINISH_REASON_UNSPECIFIED,
@@ -73,6 +77,7 @@ def sampling_params_from_proto(
                 f"{MAX_STOP_TOKEN_IDS} allowed"
             )
         values["stop_token_ids"] = tuple(msg.stop_token_ids)
+    values["constraint"] = constraint_from_proto(msg, path=path)
     try:
         return SamplingParams(**values)
     except ValueError as exc:
@@ -87,6 +92,7 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         value = getattr(params, name)
         if value is not None:
             setattr(msg, name, value)
+    constraint_to_proto(params.constraint, msg)
     return msg
 
 

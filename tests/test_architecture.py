@@ -27,6 +27,8 @@ TORCH_FREE_ENGINE = {
     "engine.block_pool",
     "engine.scheduler",
     "engine.cpu_budget",
+    "engine.constraint",
+    "engine.grammar",
 }
 NON_PRODUCTION = {"tests", "benchmarks"}
 

@@ -4,14 +4,19 @@ deployment (gateway, prefill and decode workers as processes on loopback, tiny m
 Greedy output over HTTP (chat and completions, streaming and not) equals the gRPC path's
 for the same request; refused fields and bad values come back as OpenAI errors naming the
 field; a client that disconnects mid-stream leaves every KV block free on both workers.
+Structured output (JSON schemas, regex, choice) and tool calls over both APIs, with the
+constraint applied on both sides of the prefill/decode split.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import openai
 import pytest
 
@@ -26,6 +31,7 @@ from tests.e2e_helpers import (
     wait_settled,
     worker_stats,
 )
+from tests.structured_cases import SCHEMAS, WEATHER, validate
 from tests.test_openai_request import REFUSED, Endpoint
 
 MAX_TOKENS = 12
@@ -173,3 +179,97 @@ async def test_disconnect_mid_stream_frees_every_block(cluster: E2ECluster) -> N
     after = await worker_stats(decode, "decode")
     assert after.free_kv_blocks == before.free_kv_blocks, describe(after)
     assert "ended by the client (cancelled)" in cluster.logs()
+
+
+async def test_structured_output_and_tool_calls_across_the_split(cluster: E2ECluster) -> None:
+    """The first token is sampled under the constraint on the prefill worker, the rest on
+    decode; a random model writes valid JSON only because the mask forces it."""
+    client = openai.AsyncOpenAI(
+        base_url=f"http://{cluster.http_address}/v1", api_key="-", max_retries=0, timeout=60
+    )
+    (model,) = [m.id for m in (await client.models.list()).data]
+    messages = [{"role": "user", "content": "Describe someone."}]
+
+    for i, schema in enumerate(SCHEMAS):
+        for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": i}):
+            got = await client.chat.completions.create(
+                model=model,
+                messages=messages,
+                max_tokens=120,
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": f"s{i}", "schema": schema, "strict": True},
+                },
+                **sampling,
+            )
+            assert got.choices[0].finish_reason == "stop", (i, got)
+            validate(json.loads(got.choices[0].message.content or ""), schema)
+
+    regex = await client.completions.create(
+        model=model,
+        prompt="Code:",
+        max_tokens=20,
+        extra_body={"guided_regex": "[A-Z]{2}-[0-9]{3}"},
+    )
+    assert re.fullmatch("[A-Z]{2}-[0-9]{3}", regex.choices[0].text)
+    choice = await client.chat.completions.create(
+        model=model,
+        messages=messages,
+        temperature=1.0,
+        seed=3,
+        extra_body={"structured_outputs": {"choice": ["positive", "negative"]}},
+    )
+    assert choice.choices[0].message.content in ("positive", "negative")
+
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    call_args = {"model": model, "messages": messages, "tools": [WEATHER], "temperature": 0}
+    whole = await client.chat.completions.create(tool_choice=named, max_tokens=60, **call_args)
+    assert whole.choices[0].finish_reason == "tool_calls"
+    (call,) = whole.choices[0].message.tool_calls or []
+    assert call.function.name == "get_weather"
+    validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    streamed = await client.chat.completions.create(
+        tool_choice=named, max_tokens=60, stream=True, **call_args
+    )
+    deltas = [tc async for c in streamed for tc in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].function.name == "get_weather"
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+    required = await client.chat.completions.create(
+        tool_choice="required", max_tokens=60, **call_args
+    )
+    assert [c.function.name for c in required.choices[0].message.tool_calls or []]
+
+    with pytest.raises(openai.BadRequestError) as bad:
+        await client.chat.completions.create(
+            model=model,
+            messages=messages,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "nope"}},
+            },
+        )
+    assert bad.value.body["param"] == "response_format.json_schema.schema"
+
+    async with gateway_stub(cluster.gateway_address) as stub:
+        schema = json.dumps(SCHEMAS[0])
+        params = common_pb2.SamplingParameters(max_tokens=120, temperature=0, json_schema=schema)
+        request = generate_pb2.GenerateRequest(
+            chat=generate_pb2.ChatMessages(
+                messages=[generate_pb2.ChatMessage(role="user", content="Describe someone.")]
+            ),
+            sampling_params=params,
+        )
+        outcome = await generate(stub, request)
+        text = "".join(r.text for r in outcome.responses)
+        validate(json.loads(text), SCHEMAS[0])
+        unclosed = common_pb2.SamplingParameters(regex="[0-9")
+        request = generate_pb2.GenerateRequest(text="x", sampling_params=unclosed)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.Generate(request).read()
+        assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert refused.value.details().startswith("sampling_params.regex")
+
+    # The services are unharmed: the same HTTP request still answers the same.
+    again = await client.chat.completions.create(tool_choice=named, max_tokens=60, **call_args)
+    assert again.choices[0].message.tool_calls[0].function.arguments == call.function.arguments
+    await client.close()

@@ -23,6 +23,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
 from decode_service.handoff import DecodeHandoff, HandoffLimits
+from engine.constraint import Constraint, ConstraintKind
 from engine.errors import DeadlineExceededError, PermissionDeniedError
 from engine.kv_layout import KVLayout
 from engine.request import RequestTimings, TokenLogprob
@@ -84,6 +85,8 @@ def _order() -> PrefillOrder:
         presence_penalty=0.5,
         frequency_penalty=-0.5,
         output_offset=4,  # a request that moved: its prompt ends with 4 earlier outputs
+        # A peer that swapped the constraint would have decode mask by another grammar.
+        constraint=Constraint(ConstraintKind.CHOICE, choices=("yes", "no")),
     )
     desc = KVDescriptor(endpoint, "r1", (3, 4, 5), epoch=77, lease_token=LEASE)
     order = PrefillOrder("r1", tuple(range(100, 140)), params, desc, timeout_s=12.5)
@@ -181,6 +184,8 @@ def _alterations(record: Any) -> Iterator[tuple[str, Any]]:
         if path == ("mac",):
             continue
         for other in _other_values(value, optional):
+            if other == value:  # an empty string's "other" empty string
+                continue
             yield ".".join(path), _replaced(record, path, other)
 
 
@@ -214,7 +219,14 @@ def test_every_field_of_an_order_is_under_its_tag() -> None:
         "descriptor.endpoint.layout.dtype",
         "descriptor.endpoint.layout.num_layers",
     }
-    assert walked >= {f"params.{f.name}" for f in dataclasses.fields(SamplingParams)}
+    assert walked >= {
+        f"params.{f.name}" for f in dataclasses.fields(SamplingParams) if f.name != "constraint"
+    }
+    assert walked >= {
+        "params.constraint.kind",
+        "params.constraint.spec",
+        "params.constraint.choices",
+    }
 
 
 @pytest.mark.parametrize("index", range(4), ids=["progress", "first_token", "done", "ack"])
@@ -248,6 +260,8 @@ def _wire_alterations(root: Message, top: str) -> Iterator[tuple[str, Message]]:
         for alter in _wire_changes(root, path):
             altered = copy.deepcopy(root)
             alter(altered)
+            if altered == root:  # clearing an unset member of a oneof changes nothing
+                continue
             yield ".".join(str(p) for p in path), altered
 
 
@@ -332,6 +346,11 @@ def test_every_field_of_an_order_on_the_wire_is_under_its_tag() -> None:
         assert not order_is_signed(KEY, read), f"{path} is not under the tag"
     assert {"request.kv.handle", "request.kv.transport", "request.timeout_s"} <= walked
     assert {"request.sampling_params.temperature", "request.kv.layout.dtype"} <= walked
+    assert {
+        "request.sampling_params.choice.choices",
+        "request.sampling_params.json_schema",
+        "request.sampling_params.regex",
+    } <= walked
 
 
 @pytest.mark.parametrize("index", range(4), ids=["progress", "first_token", "done", "ack"])

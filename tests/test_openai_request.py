@@ -34,6 +34,19 @@ def chat(**fields: Any) -> dict[str, Any]:
     return {"model": "m", "messages": USER, **fields}
 
 
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+
 # (id, endpoint, body, the param the 400 must name)
 REFUSED: list[tuple[str, Endpoint, dict[str, Any], str]] = [
     ("n", COMPLETIONS, completion(n=2), "n"),
@@ -44,14 +57,64 @@ REFUSED: list[tuple[str, Endpoint, dict[str, Any], str]] = [
     ("logit-bias", COMPLETIONS, completion(logit_bias={"5": 10}), "logit_bias"),
     ("chat-logit-bias", CHAT, chat(logit_bias={"5": -100}), "logit_bias"),
     (
-        "tools",
+        "tool-name",
         CHAT,
-        chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-        "tools",
+        chat(tools=[{"type": "function", "function": {"name": "no spaces", "parameters": {}}}]),
+        "tools[0].function.name",
+    ),
+    (
+        "tool-parameters-invalid",
+        CHAT,
+        chat(
+            tools=[
+                TOOL,
+                {"type": "function", "function": {"name": "g", "parameters": {"type": 5}}},
+            ],
+            tool_choice={"type": "function", "function": {"name": "g"}},
+        ),
+        "tools[1].function.parameters",
+    ),
+    (
+        "tool-choice-unlisted",
+        CHAT,
+        chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "h"}}),
+        "tool_choice.function.name",
+    ),
+    (
+        "tool-choice-and-format",
+        CHAT,
+        chat(tools=[TOOL], tool_choice="required", response_format={"type": "json_object"}),
+        "response_format",
     ),
     ("tool-choice", CHAT, chat(tool_choice="required"), "tool_choice"),
     ("functions", CHAT, chat(functions=[{"name": "f"}]), "functions"),
-    ("json-format", CHAT, chat(response_format={"type": "json_object"}), "response_format"),
+    (
+        "json-schema-invalid",
+        CHAT,
+        chat(response_format={"type": "json_schema", "json_schema": {"schema": {"type": "x"}}}),
+        "response_format.json_schema.schema",
+    ),
+    (
+        "json-schema-unsupported-keyword",
+        COMPLETIONS,
+        completion(
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "s", "schema": {"unevaluatedProperties": False}},
+            }
+        ),
+        "response_format.json_schema.schema",
+    ),
+    ("format-type", CHAT, chat(response_format={"type": "yaml"}), "response_format.type"),
+    ("regex-unclosed", COMPLETIONS, completion(guided_regex="[a-z]+("), "guided_regex"),
+    ("choice-empty", CHAT, chat(structured_outputs={"choice": []}), "structured_outputs.choice"),
+    ("grammar-unknown-rule", CHAT, chat(guided_grammar="start: foo"), "guided_grammar"),
+    (
+        "two-constraints",
+        CHAT,
+        chat(response_format={"type": "json_object"}, guided_regex="a+"),
+        "guided_regex",
+    ),
     ("audio", CHAT, chat(audio={"voice": "alloy", "format": "wav"}), "audio"),
     ("unknown", COMPLETIONS, completion(frobnicate=1), "frobnicate"),
     ("chat-field-on-completions", COMPLETIONS, completion(messages=USER), "messages"),
@@ -81,7 +144,12 @@ REFUSED: list[tuple[str, Endpoint, dict[str, Any], str]] = [
     ("prompt-batch", COMPLETIONS, completion(prompt=["a", "b"]), "prompt"),
     ("prompt-id-outside-vocab", COMPLETIONS, completion(prompt=[1, 10**9]), "prompt[1]"),
     ("messages-empty", CHAT, chat(messages=[]), "messages"),
-    ("messages-role", CHAT, chat(messages=[{"role": "tool", "content": "x"}]), "messages[0].role"),
+    (
+        "messages-role",
+        CHAT,
+        chat(messages=[{"role": "function", "content": "x"}]),
+        "messages[0].role",
+    ),
     (
         "messages-name",
         CHAT,
