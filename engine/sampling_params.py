@@ -10,6 +10,9 @@ from dataclasses import dataclass
 
 MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 64
+# OpenAI's own bounds on logit_bias: at most 300 entries, each bias in [-100, 100].
+MAX_LOGIT_BIAS = 300
+LOGIT_BIAS_LIMIT = 100.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +27,10 @@ class SamplingParams:
     already produced, and ``max_tokens``/``min_tokens`` are what was left of them. Seeded
     draws and the output-only penalties count from the original output's start, so the
     moved request samples as it would have where it was.
+
+    ``logit_bias`` holds (token id, bias) pairs, added to those tokens' logits before
+    penalties, temperature and the filters; it is kept sorted by token id, so equal biases
+    give equal records (and equal hand-off tags) however the client ordered them.
     """
 
     max_tokens: int = 16
@@ -40,6 +47,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     output_offset: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, low=1)
@@ -81,6 +89,32 @@ class SamplingParams:
             if not -2.0 <= value <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
         _check_int("output_offset", self.output_offset, low=0)
+        self._check_logit_bias()
+
+    def _check_logit_bias(self) -> None:
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(
+                f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS} allowed"
+            )
+        pairs = []
+        for pair in self.logit_bias:
+            if not isinstance(pair, tuple | list) or len(pair) != 2:
+                raise ValueError(f"logit_bias entries must be (token id, bias) pairs, got {pair!r}")
+            token, bias = pair
+            _check_int("logit_bias token id", token, low=0)
+            _check_float(f"logit_bias[{token}]", bias)
+            if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+                raise ValueError(
+                    f"logit_bias[{token}] must be in [-{LOGIT_BIAS_LIMIT:g}, "
+                    f"{LOGIT_BIAS_LIMIT:g}], got {bias!r}"
+                )
+            pairs.append((token, float(bias)))
+        pairs.sort()
+        for (a, _), (b, _) in zip(pairs, pairs[1:], strict=False):
+            if a == b:
+                raise ValueError(f"logit_bias names token {a} more than once")
+        # Frozen: the canonical (sorted, float) form is set once, here.
+        object.__setattr__(self, "logit_bias", tuple(pairs))
 
     @property
     def greedy(self) -> bool:
@@ -100,6 +134,11 @@ class SamplingParams:
             if tok >= vocab_size:
                 raise ValueError(
                     f"stop_token_ids contains {tok}, outside the vocabulary [0, {vocab_size})"
+                )
+        for tok, _ in self.logit_bias:
+            if tok >= vocab_size:
+                raise ValueError(
+                    f"logit_bias names token {tok}, outside the vocabulary [0, {vocab_size})"
                 )
 
 

@@ -7,7 +7,7 @@ request (gateway.validation), under OpenAI's field names. Every failure is a
 field as the error's ``param``.
 
 Nothing is silently ignored: a field that would change the output and that baton cannot
-honour (``n > 1``, tools, ``logit_bias``, a JSON ``response_format``, ``echo``, ...) is
+honour (``n > 1``, tools, a JSON ``response_format``, ``echo``, ...) is
 refused, and so is a field OpenAI does not define (beyond vLLM's sampling extras, which
 baton supports). A field set to ``null``, or to the value that means "off" (``n: 1``,
 ``tools: []``, ``response_format: {"type": "text"}``), is accepted.
@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from gateway.served_model import ModelCard
 from gateway.validation import (
     FieldError,
@@ -59,7 +59,6 @@ _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "best_of": (1,),
     "echo": (False,),
     "suffix": ("",),
-    "logit_bias": ({},),
     "tools": ([],),
     "functions": ([],),
     "tool_choice": ("none",),
@@ -77,11 +76,12 @@ _COMMON = (
     "stop_token_ids",
     "stream_options",
     "logprobs",
+    "logit_bias",
     *_SAMPLING_FIELDS,
     *_BOOL_FIELDS,
     *_INFORMATIONAL,
 )
-_COMPLETION_FIELDS = frozenset((*_COMMON, "prompt", "n", "best_of", "echo", "suffix", "logit_bias"))
+_COMPLETION_FIELDS = frozenset((*_COMMON, "prompt", "n", "best_of", "echo", "suffix"))
 _CHAT_FIELDS = frozenset(
     (
         *_COMMON,
@@ -319,8 +319,11 @@ def _sampling_params(
         if not isinstance(ids, list):
             raise FieldError("stop_token_ids", f"stop_token_ids must be a list, got {ids!r}")
         values["stop_token_ids"] = tuple(ids)
+    if "logit_bias" in b:
+        values["logit_bias"] = _logit_bias(b["logit_bias"])
     names = {field: name for name, field in _SAMPLING_FIELDS.items()}
     names |= {"max_tokens": max_tokens_field, "logprobs": logprobs_field}
+    names |= {"stop_token_ids": "stop_token_ids", "logit_bias": "logit_bias"}
 
     def path(field: str) -> str:
         return names.get(field, field)
@@ -333,6 +336,25 @@ def _sampling_params(
         raise FieldError(path(field), path(field) + message[len(field) :]) from exc
     check_sampling_params(params, card, path)
     return params
+
+
+def _logit_bias(value: object) -> tuple[tuple[int, Any], ...]:
+    """OpenAI's ``{"<token id>": bias}`` object -> (token id, bias) pairs; the ids are
+    checked here (JSON keys are strings), the biases and the count by SamplingParams."""
+    if not isinstance(value, Mapping):
+        raise FieldError("logit_bias", f"logit_bias must be an object, got {_kind(value)}")
+    if len(value) > MAX_LOGIT_BIAS:  # counted before any key is read
+        raise FieldError(
+            "logit_bias", f"logit_bias has {len(value)} entries; at most {MAX_LOGIT_BIAS} allowed"
+        )
+    pairs = []
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10):
+            raise FieldError(
+                "logit_bias", f"logit_bias keys must be token ids (decimal integers), got {key!r}"
+            )
+        pairs.append((int(key), bias))
+    return tuple(pairs)
 
 
 def _int_or_none(b: Mapping[str, Any], name: str) -> int | None:
@@ -361,7 +383,6 @@ def _why_off(name: str) -> str:
         "best_of": "this server returns one choice per request (best_of=1)",
         "echo": "the prompt is not echoed",
         "suffix": "insertion is not supported",
-        "logit_bias": "logit bias is not supported",
         "tools": "tool calling is not supported",
         "functions": "function calling is not supported",
         "tool_choice": "tool calling is not supported",

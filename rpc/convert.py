@@ -13,14 +13,17 @@ from typing import Any
 
 from engine.kv_layout import KVLayout
 from engine.request import FinishReason, RequestOutput, RequestTimings, TokenLogprob
-from engine.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
+from engine.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplingParams
 from engine.stats import EngineStats
 from engine.transfer.base import KVDescriptor, KVEndpoint
 from protos.baton.v1 import common_pb2, kv_pb2, worker_pb2
 
 _SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
-# SamplingParams fields that are `optional` scalars on the wire (all but the repeated one).
-_OPTIONAL_SCALARS = tuple(name for name in _SAMPLING_FIELDS if name != "stop_token_ids")
+# SamplingParams fields that are `optional` scalars on the wire (all but the repeated
+# stop_token_ids and the logit_bias map).
+_OPTIONAL_SCALARS = tuple(
+    name for name in _SAMPLING_FIELDS if name not in ("stop_token_ids", "logit_bias")
+)
 
 _FINISH_TO_PROTO = {
     None: common_pb2.FINISH_REASON_UNSPECIFIED,
@@ -73,6 +76,13 @@ def sampling_params_from_proto(
                 f"{MAX_STOP_TOKEN_IDS} allowed"
             )
         values["stop_token_ids"] = tuple(msg.stop_token_ids)
+    if msg.logit_bias:
+        if len(msg.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(
+                f"{path}.logit_bias has {len(msg.logit_bias)} entries; at most "
+                f"{MAX_LOGIT_BIAS} allowed"
+            )
+        values["logit_bias"] = tuple(msg.logit_bias.items())
     try:
         return SamplingParams(**values)
     except ValueError as exc:
@@ -82,7 +92,9 @@ def sampling_params_from_proto(
 def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParameters:
     """Every field set explicitly, so the receiver never falls back on its own defaults
     (``seed`` and ``logprobs`` stay unset when None)."""
-    msg = common_pb2.SamplingParameters(stop_token_ids=params.stop_token_ids)
+    msg = common_pb2.SamplingParameters(
+        stop_token_ids=params.stop_token_ids, logit_bias=dict(params.logit_bias)
+    )
     for name in _OPTIONAL_SCALARS:
         value = getattr(params, name)
         if value is not None:

@@ -84,6 +84,7 @@ def _order() -> PrefillOrder:
         presence_penalty=0.5,
         frequency_penalty=-0.5,
         output_offset=4,  # a request that moved: its prompt ends with 4 earlier outputs
+        logit_bias=((5, -100.0), (9, 2.5)),
     )
     desc = KVDescriptor(endpoint, "r1", (3, 4, 5), epoch=77, lease_token=LEASE)
     order = PrefillOrder("r1", tuple(range(100, 140)), params, desc, timeout_s=12.5)
@@ -255,7 +256,7 @@ def _wire_paths(msg: Message, path: tuple[str | int, ...]) -> Iterator[tuple[str
     for field in msg.DESCRIPTOR.fields:
         here = (*path, field.name)
         yield here
-        if field.message_type is None:
+        if field.message_type is None or _is_map(field):
             continue
         if field.is_repeated:
             items = getattr(msg, field.name)
@@ -281,6 +282,13 @@ def _wire_changes(root: Message, path: tuple[str | int, ...]) -> list[Callable[[
     def do(change: Callable[[Message], None]) -> None:
         changes.append(lambda msg: change(parent(msg)))
 
+    if _is_map(field):  # scalar values (logit_bias): drop a key, add one, change a value
+        assert len(value), f"give {'.'.join(map(str, path))} an entry"
+        key = min(value)
+        do(lambda m: getattr(m, name).pop(key))
+        do(lambda m: getattr(m, name).__setitem__(max(value) + 1, value[key]))
+        do(lambda m: getattr(m, name).__setitem__(key, value[key] + 0.25))
+        return changes
     if field.is_repeated:
         assert len(value), f"give {'.'.join(map(str, path))} an item"
         do(lambda m: getattr(m, name).pop())
@@ -297,6 +305,10 @@ def _wire_changes(root: Message, path: tuple[str | int, ...]) -> list[Callable[[
         for other in _other_scalars(field, value):
             do(functools.partial(_set, name=name, value=other))
     return changes
+
+
+def _is_map(field: FieldDescriptor) -> bool:
+    return field.message_type is not None and field.message_type.GetOptions().map_entry
 
 
 def _set(msg: Message, *, name: str, value: Any) -> None:

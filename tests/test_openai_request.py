@@ -41,8 +41,11 @@ REFUSED: list[tuple[str, Endpoint, dict[str, Any], str]] = [
     ("best-of", COMPLETIONS, completion(best_of=2), "best_of"),
     ("echo", COMPLETIONS, completion(echo=True), "echo"),
     ("suffix", COMPLETIONS, completion(suffix="end"), "suffix"),
-    ("logit-bias", COMPLETIONS, completion(logit_bias={"5": 10}), "logit_bias"),
-    ("chat-logit-bias", CHAT, chat(logit_bias={"5": -100}), "logit_bias"),
+    ("logit-bias-range", COMPLETIONS, completion(logit_bias={"5": 100.5}), "logit_bias"),
+    ("chat-logit-bias-vocab", CHAT, chat(logit_bias={"4000000000": -100}), "logit_bias"),
+    ("logit-bias-key", COMPLETIONS, completion(logit_bias={"x5": 1}), "logit_bias"),
+    ("logit-bias-type", CHAT, chat(logit_bias=[5, -100]), "logit_bias"),
+    ("logit-bias-value", COMPLETIONS, completion(logit_bias={"5": "ban"}), "logit_bias"),
     (
         "tools",
         CHAT,

@@ -37,12 +37,16 @@ class SamplingParams:
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    # token id -> bias added to its logit, in [-100, 100]; at most 300 entries.
+    logit_bias: Mapping[int, float] | None = None
 
     def to_proto(self) -> common_pb2.SamplingParameters:
-        msg = common_pb2.SamplingParameters(stop_token_ids=self.stop_token_ids)
+        msg = common_pb2.SamplingParameters(
+            stop_token_ids=self.stop_token_ids, logit_bias=dict(self.logit_bias or {})
+        )
         for field in fields(self):
             value = getattr(self, field.name)
-            if field.name != "stop_token_ids" and value is not None:
+            if field.name not in ("stop_token_ids", "logit_bias") and value is not None:
                 setattr(msg, field.name, value)
         return msg
 
