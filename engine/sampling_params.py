@@ -48,6 +48,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     output_offset: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # None: none; k >= 0: the log-probability of every prompt token after the first (the
+    # model's own, as vLLM's ``prompt_logprobs``) and its top-k alternatives.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, low=1)
@@ -90,6 +93,12 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
         _check_int("output_offset", self.output_offset, low=0)
         self._check_logit_bias()
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, low=0)
+            if self.prompt_logprobs > MAX_LOGPROBS:
+                raise ValueError(
+                    f"prompt_logprobs must be <= {MAX_LOGPROBS}, got {self.prompt_logprobs!r}"
+                )
 
     def _check_logit_bias(self) -> None:
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
