@@ -321,6 +321,7 @@ async def _responses(
         msg = worker_pb2.DecodeResponse(
             token_ids=out.new_token_ids,
             logprobs=[token_logprob_to_proto(lp) for lp in out.logprobs or []],
+            prompt_logprobs=[token_logprob_to_proto(lp) for lp in out.prompt_logprobs or []],
         )
         if out.timings is not None:
             msg.timings.CopyFrom(request_timings_to_proto(out.timings))

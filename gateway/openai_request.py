@@ -7,7 +7,7 @@ request (gateway.validation), under OpenAI's field names. Every failure is a
 field as the error's ``param``.
 
 Nothing is silently ignored: a field that would change the output and that baton cannot
-honour (``n > 1``, tools, a JSON ``response_format``, ``echo``, ...) is
+honour (``n > 1``, tools, a JSON ``response_format``, ...) is
 refused, and so is a field OpenAI does not define (beyond vLLM's sampling extras, which
 baton supports). A field set to ``null``, or to the value that means "off" (``n: 1``,
 ``tools: []``, ``response_format: {"type": "text"}``), is accepted.
@@ -15,6 +15,7 @@ baton supports). A field set to ``null``, or to the value that means "off" (``n:
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from collections.abc import Mapping
@@ -52,12 +53,17 @@ _SAMPLING_FIELDS = {
     "repetition_penalty": "repetition_penalty",
     "min_tokens": "min_tokens",
 }
-_BOOL_FIELDS = ("stream", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
+_BOOL_FIELDS = (
+    "stream",
+    "ignore_eos",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+    "echo",
+)
 # Fields OpenAI defines that baton supports only in their "off" value.
 _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "n": (1,),
     "best_of": (1,),
-    "echo": (False,),
     "suffix": ("",),
     "tools": ([],),
     "functions": ([],),
@@ -88,7 +94,7 @@ _CHAT_FIELDS = frozenset(
         "messages",
         "max_completion_tokens",
         "top_logprobs",
-        *(name for name in _OFF_VALUES if name not in ("best_of", "echo", "suffix")),
+        *(name for name in _OFF_VALUES if name not in ("best_of", "suffix")),
     )
 )
 # Fields OpenAI defines for chat that baton does not support at all; named as such in the
@@ -133,6 +139,9 @@ class OpenAIRequest:
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
     logprobs: bool  # whether choices carry log-probabilities (top-n in input.params)
+    # Completions only: the response starts with the prompt (and, with logprobs, the
+    # prompt tokens' logprobs: input.params.prompt_logprobs).
+    echo: bool = False
 
 
 def parse_request(
@@ -172,13 +181,19 @@ def parse_request(
         default_max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
         logprobs_field, logprobs = "logprobs", _int_or_none(b, "logprobs")
     else:
+        if b.get("echo", False):
+            raise FieldError("echo", "echo is only supported on /v1/completions")
         prompt = _chat_prompt(b, card)
         max_tokens_field = "max_completion_tokens" if "max_completion_tokens" in b else "max_tokens"
         default_max_tokens = card.max_model_len  # the engine stops at the context limit
         logprobs_field, logprobs = _chat_logprobs(b)
+    echo = b.get("echo", False)
     params = _sampling_params(
         b, card, (max_tokens_field, default_max_tokens), (logprobs_field, logprobs)
     )
+    if echo and logprobs is not None:
+        # As vLLM: the prompt's tokens get the same number of alternatives as the output's.
+        params = dataclasses.replace(params, prompt_logprobs=logprobs)
     stop = b.get("stop", [])
     if isinstance(stop, str):
         stop = [stop]
@@ -198,6 +213,7 @@ def parse_request(
         stream=stream,
         include_usage=include_usage,
         logprobs=logprobs is not None,
+        echo=echo,
     )
 
 
@@ -381,7 +397,6 @@ def _why_off(name: str) -> str:
     return {
         "n": "this server returns one choice per request (n=1)",
         "best_of": "this server returns one choice per request (best_of=1)",
-        "echo": "the prompt is not echoed",
         "suffix": "insertion is not supported",
         "tools": "tool calling is not supported",
         "functions": "function calling is not supported",

@@ -60,10 +60,21 @@ def finish_reason_of(delta: GenerateDelta) -> str | None:
 
 
 class ResponseBuilder:
-    """Shapes one request's deltas. ``token_text`` renders one token id (for logprobs)."""
+    """Shapes one request's deltas. ``token_text`` renders one token id (for logprobs).
+
+    With ``echo`` (completions), ``prompt_text`` leads the text, and with logprobs the
+    prompt's tokens lead them (the first with ``null``, as OpenAI and vLLM return it);
+    both come with the first delta (streamed: in its chunk).
+    """
 
     def __init__(
-        self, req: OpenAIRequest, request_id: str, created: int, token_text: Callable[[int], str]
+        self,
+        req: OpenAIRequest,
+        request_id: str,
+        created: int,
+        token_text: Callable[[int], str],
+        *,
+        prompt_text: str = "",
     ) -> None:
         self._req = req
         self._chat = req.endpoint is Endpoint.CHAT
@@ -77,6 +88,8 @@ class ResponseBuilder:
         self._finish_reason: str | None = None
         self._usage: Usage | None = None
         self._timings: RequestTimings | None = None
+        self._echo_pending = req.echo
+        self._prompt_text = prompt_text
 
     # -- streaming ----------------------------------------------------------------------
 
@@ -87,11 +100,12 @@ class ResponseBuilder:
         if self._chat and not self._sent_role:
             self._sent_role = True
             out.append(self._chunk({"role": "assistant", "content": ""}, None, None))
-        logprobs = self._format_logprobs(delta.logprobs) if self._req.logprobs else None
         if self._chat:
+            logprobs = self._format_logprobs(delta.logprobs) if self._req.logprobs else None
             out.append(self._chunk({"content": delta.text} if delta.text else {}, logprobs, finish))
         else:
-            out.append(self._chunk(delta.text, logprobs, finish))
+            text, logprobs = self._completion_parts(delta)
+            out.append(self._chunk(text, logprobs, finish))
         if finish is not None:
             self._timings = delta.timings
             if not self._req.include_usage:
@@ -119,10 +133,14 @@ class ResponseBuilder:
 
     def add(self, delta: GenerateDelta) -> None:
         finish = finish_reason_of(delta)
-        self._text.append(delta.text)
-        if self._req.logprobs:
-            for key, values in self._format_logprobs(delta.logprobs).items():
-                self._logprobs.setdefault(key, []).extend(values)
+        if self._chat:
+            text = delta.text
+            logprobs = self._format_logprobs(delta.logprobs) if self._req.logprobs else None
+        else:
+            text, logprobs = self._completion_parts(delta)
+        self._text.append(text)
+        for key, values in (logprobs or {}).items():
+            self._logprobs.setdefault(key, []).extend(values)
         if finish is not None:
             self._finish_reason, self._usage = finish, delta.usage
             self._timings = delta.timings
@@ -164,6 +182,23 @@ class ResponseBuilder:
             "choices": choices,
             **extra,
         }
+
+    def _completion_parts(self, delta: GenerateDelta) -> tuple[str, dict[str, list[Any]] | None]:
+        """A completions delta's text and logprobs, led by the prompt's on the first one
+        when the request echoes."""
+        echo, self._echo_pending = self._echo_pending, False
+        text = self._prompt_text + delta.text if echo else delta.text
+        if not self._req.logprobs:
+            return text, None
+        if not echo:
+            return text, self._format_logprobs(delta.logprobs)
+        ids = delta.prompt_token_ids or []
+        lps = delta.prompt_logprobs or []
+        assert len(lps) == len(ids) - 1, "the prompt's logprobs come with the first token"
+        prompt = self._format_logprobs([TokenLogprob(ids[0], 0.0, 0, []), *lps])
+        prompt["token_logprobs"][0] = prompt["top_logprobs"][0] = None  # position 0 has none
+        out = self._format_logprobs(delta.logprobs)
+        return text, {key: prompt[key] + out[key] for key in out}
 
     def _format_logprobs(self, lps: list[TokenLogprob]) -> dict[str, list[Any]]:
         if self._chat:

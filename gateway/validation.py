@@ -155,11 +155,12 @@ def check_sampling_params(
         name = str(exc).split(" ", 1)[0]
         field = path(name)
         raise FieldError(field, field + str(exc).removeprefix(name)) from exc
-    if params.logprobs is not None and params.logprobs > card.max_logprobs:
-        raise FieldError(
-            path("logprobs"),
-            f"{path('logprobs')} must be <= {card.max_logprobs}, got {params.logprobs}",
-        )
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > card.max_logprobs:
+            raise FieldError(
+                path(name), f"{path(name)} must be <= {card.max_logprobs}, got {value}"
+            )
 
 
 def check_request_id(rid: str, field: str) -> str:

@@ -177,6 +177,7 @@ def decode_response_from_output(
         token_ids=out.new_token_ids,
         logprobs=[token_logprob_to_proto(lp) for lp in out.logprobs or ()],
         finish_reason=finish_reason_to_proto(out.finish_reason),
+        prompt_logprobs=[token_logprob_to_proto(lp) for lp in out.prompt_logprobs or ()],
     )
     if out.finished:
         msg.usage.CopyFrom(
@@ -198,6 +199,7 @@ def output_from_decode_response(request_id: str, msg: worker_pb2.DecodeResponse)
         num_prompt_tokens=usage.prompt_tokens if usage is not None else 0,
         num_cached_tokens=usage.cached_tokens if usage is not None else 0,
         timings=request_timings_from_proto(msg.timings) if msg.HasField("timings") else None,
+        prompt_logprobs=[token_logprob_from_proto(lp) for lp in msg.prompt_logprobs] or None,
     )
 
 
@@ -212,6 +214,7 @@ def first_token_from_output(out: RequestOutput) -> worker_pb2.FirstToken:
         token_id=out.new_token_ids[0],
         num_cached_tokens=out.num_cached_tokens,
         finish_reason=finish_reason_to_proto(out.finish_reason),
+        prompt_logprobs=[token_logprob_to_proto(lp) for lp in out.prompt_logprobs or ()],
     )
     if out.logprobs:
         msg.logprob.CopyFrom(token_logprob_to_proto(out.logprobs[0]))
@@ -229,6 +232,7 @@ def output_from_first_token(
         finish_reason=finish_reason_from_proto(msg.finish_reason, path="first_token.finish_reason"),
         num_prompt_tokens=num_prompt_tokens,
         num_cached_tokens=msg.num_cached_tokens,
+        prompt_logprobs=[token_logprob_from_proto(lp) for lp in msg.prompt_logprobs] or None,
     )
 
 

@@ -132,6 +132,12 @@ class FakeDecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
         msg = worker_pb2.DecodeResponse(token_ids=chunk)
         if first and script.timings is not None:
             msg.timings.CopyFrom(script.timings)
+        if first and request.sampling_params.HasField("prompt_logprobs"):
+            # Prompt token j + 1 gets -(j + 1) / 8: distinct, and exact in binary.
+            msg.prompt_logprobs.extend(
+                common_pb2.TokenLogprob(token_id=t, logprob=-(j + 1) / 8, rank=1)
+                for j, t in enumerate(request.prompt_token_ids[1:])
+            )
         if want_logprobs:
             msg.logprobs.extend(
                 common_pb2.TokenLogprob(token_id=t, logprob=-0.5, rank=1) for t in chunk

@@ -85,6 +85,7 @@ def _order() -> PrefillOrder:
         frequency_penalty=-0.5,
         output_offset=4,  # a request that moved: its prompt ends with 4 earlier outputs
         logit_bias=((5, -100.0), (9, 2.5)),
+        prompt_logprobs=2,
     )
     desc = KVDescriptor(endpoint, "r1", (3, 4, 5), epoch=77, lease_token=LEASE)
     order = PrefillOrder("r1", tuple(range(100, 140)), params, desc, timeout_s=12.5)
@@ -97,7 +98,7 @@ def _messages() -> list[HandoffMessage]:
     timings = RequestTimings(*(0.125 * (i + 1) for i in range(7)))
     messages: list[HandoffMessage] = [
         Progress(Phase.PREFILLING, 17),
-        FirstToken(7, logprob, 16, "sender-1"),
+        FirstToken(7, logprob, 16, "sender-1", prompt_logprobs=(logprob, logprob)),
         TransferDone(123, 77, 4096, timings=timings),
         Ack(False, "checksum mismatch"),
     ]
@@ -157,6 +158,11 @@ def _other_values(value: Any, optional: bool) -> list[Any]:
         others = [value + "x", ""]
     elif isinstance(value, bytes):
         others = [value + b"x", b""]
+    elif dataclasses.is_dataclass(value):  # a record inside a sequence: alter its first field
+        name = dataclasses.fields(value)[0].name
+        others = [
+            dataclasses.replace(value, **{name: _other_values(getattr(value, name), False)[0]})
+        ]
     elif isinstance(value, list | tuple):
         assert value, "give every sequence an item, so its items can be altered"
         first = _other_values(value[0], False)[0]

@@ -39,6 +39,8 @@ class SamplingParams:
     frequency_penalty: float | None = None
     # token id -> bias added to its logit, in [-100, 100]; at most 300 entries.
     logit_bias: Mapping[int, float] | None = None
+    # Alternatives per prompt token; None: no prompt logprobs (GenerateResponse has them).
+    prompt_logprobs: int | None = None
 
     def to_proto(self) -> common_pb2.SamplingParameters:
         msg = common_pb2.SamplingParameters(
