@@ -1,0 +1,82 @@
+"""The rest of the OpenAI surface through a real disaggregated deployment (gateway, prefill
+and decode workers as processes, shm, tiny model in fp32): ``logit_bias`` of -100 bans
+tokens the model would pick, on the prefill worker's first token and on decode's; ``echo``
+with ``logprobs`` returns the prompt with HF's log-probabilities, also when the prompt's
+KV is already in the prefill worker's prefix cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+
+from protos.baton.v1 import common_pb2, generate_pb2
+from tests.e2e_helpers import E2ECluster, gateway_stub, generate, prompt_ids, tiny_cluster
+from tests.engine_helpers import hf_model
+
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama: Path) -> Iterator[E2ECluster]:
+    with tiny_cluster(tiny_llama, http_port=0) as c:
+        yield c
+
+
+async def _tokens(cluster: E2ECluster, ids: list[int], **sampling: object) -> tuple[list[int], str]:
+    request = generate_pb2.GenerateRequest(
+        token_ids=generate_pb2.TokenIds(ids=ids),
+        sampling_params=common_pb2.SamplingParameters(
+            max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, **sampling
+        ),
+    )
+    async with gateway_stub(cluster.gateway_address) as stub:
+        outcome = await generate(stub, request)
+    tokens = [t for r in outcome.responses for t in r.token_ids]
+    return tokens, "".join(r.text for r in outcome.responses)
+
+
+async def test_logit_bias_and_echo_through_the_split(cluster: E2ECluster, tiny_llama: Path) -> None:
+    ids = prompt_ids(40, "surface")
+    free, _ = await _tokens(cluster, ids)
+    # free[0] is sampled by the prefill worker, free[2] by the decode worker.
+    banned = {free[0]: -100.0, free[2]: -100.0}
+    biased, biased_text = await _tokens(cluster, ids, logit_bias=banned)
+    assert len(biased) == MAX_TOKENS and not set(banned) & set(biased)
+    assert biased[0] != free[0]
+
+    client = openai.AsyncOpenAI(
+        base_url=f"http://{cluster.http_address}/v1", api_key="unused", max_retries=0, timeout=60
+    )
+    async with client:
+        (model,) = (await client.models.list()).data
+        over_http = await client.completions.create(
+            model=model.id,
+            prompt=ids,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            logit_bias={str(t): b for t, b in banned.items()},
+            extra_body={"ignore_eos": True},
+        )
+        echoed = [
+            await client.completions.create(
+                model=model.id, prompt=ids, max_tokens=2, temperature=0, echo=True, logprobs=2
+            )
+            for _ in range(2)  # the second finds the prompt in prefill's prefix cache
+        ]
+    assert over_http.choices[0].text == biased_text  # the HTTP edge maps it the same
+
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf_model(tiny_llama)(torch.tensor([ids])).logits[0].float(), -1)
+    expected = [ref[j, ids[j + 1]].item() for j in range(len(ids) - 1)]
+    for whole in echoed:
+        got = whole.choices[0].logprobs
+        assert got.token_logprobs[0] is None and got.top_logprobs[0] is None
+        assert got.token_logprobs[1 : len(ids)] == pytest.approx(expected, abs=1e-4)
+        assert all(len(top) <= 2 for top in got.top_logprobs[1 : len(ids)])
+        assert len(got.tokens) == len(ids) + 2
+    assert echoed[1].usage.prompt_tokens == len(ids)
