@@ -87,6 +87,9 @@ class RequestOutput:
     # On a request's first token when it asked for ``prompt_logprobs``: one entry per
     # prompt token after the first (prompt position 0 has no logprob).
     prompt_logprobs: list[TokenLogprob] | None = None
+    # Which of a request's ``n`` choices this output belongs to; the engine runs one
+    # sequence per request (always 0), the decode worker's fan-out numbers them.
+    index: int = 0
 
     @property
     def finished(self) -> bool:

@@ -5,6 +5,7 @@ Torch-free: the gateway and rpc/ build these from the wire and the engine consum
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -13,6 +14,8 @@ MAX_STOP_TOKEN_IDS = 64
 # OpenAI's own bounds on logit_bias: at most 300 entries, each bias in [-100, 100].
 MAX_LOGIT_BIAS = 300
 LOGIT_BIAS_LIMIT = 100.0
+# Most choices one request may ask for (``n``): each is a decode sequence of its own.
+MAX_N = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +54,9 @@ class SamplingParams:
     # None: none; k >= 0: the log-probability of every prompt token after the first (the
     # model's own, as vLLM's ``prompt_logprobs``) and its top-k alternatives.
     prompt_logprobs: int | None = None
+    # Choices to generate from the one prompt (OpenAI's ``n``). The engine runs one
+    # sequence per request: the decode worker fans a request out into ``choice(i)``s.
+    n: int = 1
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, low=1)
@@ -93,6 +99,13 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
         _check_int("output_offset", self.output_offset, low=0)
         self._check_logit_bias()
+        _check_int("n", self.n, low=1)
+        if self.n > MAX_N:
+            raise ValueError(f"n must be <= {MAX_N}, got {self.n!r}")
+        if self.seed is not None and self.seed + self.n - 1 >= 2**63:
+            raise ValueError(
+                f"seed + n - 1 must be < 2**63 (choice i draws with seed + i), got {self.seed!r}"
+            )
         if self.prompt_logprobs is not None:
             _check_int("prompt_logprobs", self.prompt_logprobs, low=0)
             if self.prompt_logprobs > MAX_LOGPROBS:
@@ -124,6 +137,18 @@ class SamplingParams:
                 raise ValueError(f"logit_bias names token {a} more than once")
         # Frozen: the canonical (sorted, float) form is set once, here.
         object.__setattr__(self, "logit_bias", tuple(pairs))
+
+    def choice(self, index: int) -> SamplingParams:
+        """The parameters of choice ``index`` of ``n``: one sequence, seeded ``seed +
+        index`` (as vLLM seeds its parallel samples), so a seeded choice draws what a
+        single request with that seed would. Only choice 0 gets the prompt logprobs."""
+        assert 0 <= index < self.n, (index, self.n)
+        return dataclasses.replace(
+            self,
+            n=1,
+            seed=None if self.seed is None else self.seed + index,
+            prompt_logprobs=self.prompt_logprobs if index == 0 else None,
+        )
 
     @property
     def greedy(self) -> bool:

@@ -179,7 +179,7 @@ class _Api:
                 while True:
                     for chunk in builder.chunks(delta):
                         yield sse_event(chunk)
-                    if delta.finished:
+                    if delta.last:
                         break
                     nxt = await _next(events)
                     assert isinstance(nxt, GenerateDelta)

@@ -7,9 +7,9 @@ request (gateway.validation), under OpenAI's field names. Every failure is a
 field as the error's ``param``.
 
 Nothing is silently ignored: a field that would change the output and that baton cannot
-honour (``n > 1``, tools, a JSON ``response_format``, ...) is
+honour (``best_of > 1``, tools, a JSON ``response_format``, ...) is
 refused, and so is a field OpenAI does not define (beyond vLLM's sampling extras, which
-baton supports). A field set to ``null``, or to the value that means "off" (``n: 1``,
+baton supports). A field set to ``null``, or to the value that means "off" (``best_of: 1``,
 ``tools: []``, ``response_format: {"type": "text"}``), is accepted.
 """
 
@@ -52,6 +52,7 @@ _SAMPLING_FIELDS = {
     "frequency_penalty": "frequency_penalty",
     "repetition_penalty": "repetition_penalty",
     "min_tokens": "min_tokens",
+    "n": "n",
 }
 _BOOL_FIELDS = (
     "stream",
@@ -62,7 +63,6 @@ _BOOL_FIELDS = (
 )
 # Fields OpenAI defines that baton supports only in their "off" value.
 _OFF_VALUES: dict[str, tuple[Any, ...]] = {
-    "n": (1,),
     "best_of": (1,),
     "suffix": ("",),
     "tools": ([],),
@@ -395,7 +395,6 @@ def _same(value: object, off: object) -> bool:
 
 def _why_off(name: str) -> str:
     return {
-        "n": "this server returns one choice per request (n=1)",
         "best_of": "this server returns one choice per request (best_of=1)",
         "suffix": "insertion is not supported",
         "tools": "tool calling is not supported",

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.errors import AbortedError
@@ -59,12 +60,29 @@ def finish_reason_of(delta: GenerateDelta) -> str | None:
     return delta.finish_reason.value  # "stop" or "length", as OpenAI spells them
 
 
+@dataclass(slots=True)
+class _Choice:
+    """What a response has of one of its choices."""
+
+    text: list[str] = field(default_factory=list)
+    logprobs: dict[str, list[Any]] = field(default_factory=dict)
+    text_offset: int = 0  # characters of completion text before the next token
+    finish_reason: str | None = None
+    sent_role: bool = False
+    echo_pending: bool = False
+
+
 class ResponseBuilder:
     """Shapes one request's deltas. ``token_text`` renders one token id (for logprobs).
 
-    With ``echo`` (completions), ``prompt_text`` leads the text, and with logprobs the
-    prompt's tokens lead them (the first with ``null``, as OpenAI and vLLM return it);
-    both come with the first delta (streamed: in its chunk).
+    With ``n > 1`` each delta belongs to the choice its ``index`` names; a stream's
+    chunks carry that index, a whole response lists the choices in order.
+
+    With ``echo`` (completions), ``prompt_text`` leads each choice's text, and with
+    logprobs the prompt's tokens lead them (the first with ``null``, as OpenAI and vLLM
+    return it); both come with a choice's first delta (streamed: in its first chunk).
+    The prompt's logprobs arrive once, with choice 0's first delta, which precedes every
+    other choice's (the decode worker starts them after it).
     """
 
     def __init__(
@@ -81,32 +99,30 @@ class ResponseBuilder:
         self.id = ("chatcmpl-" if self._chat else "cmpl-") + request_id
         self._created = created
         self._token_text = token_text
-        self._sent_role = False
-        self._text: list[str] = []
-        self._logprobs: dict[str, list[Any]] = {}
-        self._text_offset = 0  # characters of completion text before the next token
-        self._finish_reason: str | None = None
+        n = req.input.params.n
+        self._choices = [_Choice(echo_pending=req.echo) for _ in range(n)]
         self._usage: Usage | None = None
         self._timings: RequestTimings | None = None
-        self._echo_pending = req.echo
         self._prompt_text = prompt_text
+        self._prompt_ids: list[int] = []
+        self._prompt_logprobs: list[TokenLogprob] = []
 
     # -- streaming ----------------------------------------------------------------------
 
     def chunks(self, delta: GenerateDelta) -> list[dict[str, Any]]:
-        """The chunks for one delta (the finished one carries the finish reason)."""
+        """The chunks for one delta (a choice's finished one carries its finish reason)."""
         finish = finish_reason_of(delta)
+        choice = self._choices[delta.index]
         out = []
-        if self._chat and not self._sent_role:
-            self._sent_role = True
-            out.append(self._chunk({"role": "assistant", "content": ""}, None, None))
+        if self._chat and not choice.sent_role:
+            choice.sent_role = True
+            out.append(self._chunk(delta.index, {"role": "assistant", "content": ""}, None, None))
+        text, logprobs = self._parts(choice, delta)
+        content: Any = text
         if self._chat:
-            logprobs = self._format_logprobs(delta.logprobs) if self._req.logprobs else None
-            out.append(self._chunk({"content": delta.text} if delta.text else {}, logprobs, finish))
-        else:
-            text, logprobs = self._completion_parts(delta)
-            out.append(self._chunk(text, logprobs, finish))
-        if finish is not None:
+            content = {"content": text} if text else {}
+        out.append(self._chunk(delta.index, content, logprobs, finish))
+        if delta.last:
             self._timings = delta.timings
             if not self._req.include_usage:
                 self._add_timings(out[-1])
@@ -121,8 +137,8 @@ class ResponseBuilder:
             obj[TIMINGS_KEY] = self._timings.as_dict()
         return obj
 
-    def _chunk(self, content: Any, logprobs: Any, finish: str | None) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0}
+    def _chunk(self, index: int, content: Any, logprobs: Any, finish: str | None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index}
         choice["delta" if self._chat else "text"] = content
         choice["logprobs"] = logprobs
         choice["finish_reason"] = finish
@@ -133,37 +149,39 @@ class ResponseBuilder:
 
     def add(self, delta: GenerateDelta) -> None:
         finish = finish_reason_of(delta)
-        if self._chat:
-            text = delta.text
-            logprobs = self._format_logprobs(delta.logprobs) if self._req.logprobs else None
-        else:
-            text, logprobs = self._completion_parts(delta)
-        self._text.append(text)
+        choice = self._choices[delta.index]
+        text, logprobs = self._parts(choice, delta)
+        choice.text.append(text)
         for key, values in (logprobs or {}).items():
-            self._logprobs.setdefault(key, []).extend(values)
+            choice.logprobs.setdefault(key, []).extend(values)
         if finish is not None:
-            self._finish_reason, self._usage = finish, delta.usage
-            self._timings = delta.timings
+            choice.finish_reason = finish
+        if delta.last:
+            self._usage, self._timings = delta.usage, delta.timings
 
     def response(self) -> dict[str, Any]:
-        assert self._usage is not None, "response() comes after the finished delta"
-        text = "".join(self._text)
+        assert self._usage is not None, "response() comes after the last delta"
+        choices = [self._whole_choice(i, c) for i, c in enumerate(self._choices)]
+        whole = self._envelope(self._object("whole"), choices, usage=usage_dict(self._usage))
+        return self._add_timings(whole)
+
+    def _whole_choice(self, index: int, c: _Choice) -> dict[str, Any]:
+        text = "".join(c.text)
         logprobs: dict[str, Any] | None = None
         if self._req.logprobs:
-            empty = {"content": []} if self._chat else self._format_logprobs([])
-            whole: dict[str, Any] = {**empty, **self._logprobs}
+            empty = {"content": []} if self._chat else self._format_logprobs(_Choice(), [])
+            whole: dict[str, Any] = {**empty, **c.logprobs}
             if self._chat:
                 whole["refusal"] = None
             logprobs = whole
-        choice: dict[str, Any] = {"index": 0}
+        choice: dict[str, Any] = {"index": index}
         if self._chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
         choice["logprobs"] = logprobs
-        choice["finish_reason"] = self._finish_reason
-        whole = self._envelope(self._object("whole"), [choice], usage=usage_dict(self._usage))
-        return self._add_timings(whole)
+        choice["finish_reason"] = c.finish_reason
+        return choice
 
     # -- shared -------------------------------------------------------------------------
 
@@ -183,24 +201,26 @@ class ResponseBuilder:
             **extra,
         }
 
-    def _completion_parts(self, delta: GenerateDelta) -> tuple[str, dict[str, list[Any]] | None]:
-        """A completions delta's text and logprobs, led by the prompt's on the first one
+    def _parts(self, c: _Choice, delta: GenerateDelta) -> tuple[str, dict[str, list[Any]] | None]:
+        """A delta's text and logprobs, led by the prompt's on its choice's first delta
         when the request echoes."""
-        echo, self._echo_pending = self._echo_pending, False
+        if delta.prompt_logprobs is not None:
+            self._prompt_ids = list(delta.prompt_token_ids or [])
+            self._prompt_logprobs = delta.prompt_logprobs
+        echo, c.echo_pending = c.echo_pending, False
         text = self._prompt_text + delta.text if echo else delta.text
         if not self._req.logprobs:
             return text, None
         if not echo:
-            return text, self._format_logprobs(delta.logprobs)
-        ids = delta.prompt_token_ids or []
-        lps = delta.prompt_logprobs or []
-        assert len(lps) == len(ids) - 1, "the prompt's logprobs come with the first token"
-        prompt = self._format_logprobs([TokenLogprob(ids[0], 0.0, 0, []), *lps])
+            return text, self._format_logprobs(c, delta.logprobs)
+        ids, lps = self._prompt_ids, self._prompt_logprobs
+        assert len(lps) == len(ids) - 1, "the prompt's logprobs come with choice 0's first token"
+        prompt = self._format_logprobs(c, [TokenLogprob(ids[0], 0.0, 0, []), *lps])
         prompt["token_logprobs"][0] = prompt["top_logprobs"][0] = None  # position 0 has none
-        out = self._format_logprobs(delta.logprobs)
+        out = self._format_logprobs(c, delta.logprobs)
         return text, {key: prompt[key] + out[key] for key in out}
 
-    def _format_logprobs(self, lps: list[TokenLogprob]) -> dict[str, list[Any]]:
+    def _format_logprobs(self, c: _Choice, lps: list[TokenLogprob]) -> dict[str, list[Any]]:
         if self._chat:
             return {"content": [self._chat_logprob(lp) for lp in lps]}
         out: dict[str, list[Any]] = {
@@ -214,8 +234,8 @@ class ResponseBuilder:
             out["tokens"].append(token)
             out["token_logprobs"].append(_finite(lp.logprob))
             out["top_logprobs"].append({self._token_text(t): _finite(v) for t, v in lp.top})
-            out["text_offset"].append(self._text_offset)
-            self._text_offset += len(token)
+            out["text_offset"].append(c.text_offset)
+            c.text_offset += len(token)
         return out
 
     def _chat_logprob(self, lp: TokenLogprob) -> dict[str, Any]:

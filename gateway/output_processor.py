@@ -43,6 +43,10 @@ class GenerateDelta:
     # and one logprob per prompt token after the first.
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
+    index: int = 0  # the choice (SamplingParams.n > 1)
+    # The request's last delta (gateway.generation sets it): with n > 1, each choice's
+    # last delta is finished, and only the request's last one is ``last``.
+    last: bool = False
 
     @property
     def finished(self) -> bool:

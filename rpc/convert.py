@@ -178,6 +178,7 @@ def decode_response_from_output(
         logprobs=[token_logprob_to_proto(lp) for lp in out.logprobs or ()],
         finish_reason=finish_reason_to_proto(out.finish_reason),
         prompt_logprobs=[token_logprob_to_proto(lp) for lp in out.prompt_logprobs or ()],
+        index=out.index,
     )
     if out.finished:
         msg.usage.CopyFrom(
@@ -200,6 +201,7 @@ def output_from_decode_response(request_id: str, msg: worker_pb2.DecodeResponse)
         num_cached_tokens=usage.cached_tokens if usage is not None else 0,
         timings=request_timings_from_proto(msg.timings) if msg.HasField("timings") else None,
         prompt_logprobs=[token_logprob_from_proto(lp) for lp in msg.prompt_logprobs] or None,
+        index=msg.index,
     )
 
 

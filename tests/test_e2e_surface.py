@@ -80,3 +80,42 @@ async def test_logit_bias_and_echo_through_the_split(cluster: E2ECluster, tiny_l
         assert all(len(top) <= 2 for top in got.top_logprobs[1 : len(ids)])
         assert len(got.tokens) == len(ids) + 2
     assert echoed[1].usage.prompt_tokens == len(ids)
+
+
+async def test_n_choices_from_one_prefill(cluster: E2ECluster) -> None:
+    ids = prompt_ids(40, "choices")
+    client = openai.AsyncOpenAI(
+        base_url=f"http://{cluster.http_address}/v1", api_key="unused", max_retries=0, timeout=60
+    )
+    sampled = {"max_tokens": MAX_TOKENS, "temperature": 1.0, "extra_body": {"ignore_eos": True}}
+    async with client:
+        (model,) = (await client.models.list()).data
+        greedy = await client.completions.create(
+            model=model.id, prompt=ids, n=3, max_tokens=MAX_TOKENS, temperature=0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        seeded = await client.completions.create(model=model.id, prompt=ids, n=3, seed=7, **sampled)
+        singles = [
+            await client.completions.create(model=model.id, prompt=ids, seed=7 + i, **sampled)
+            for i in range(3)
+        ]
+        stream = await client.completions.create(
+            model=model.id, prompt=ids, n=3, seed=7, stream=True, **sampled
+        )
+        parts: dict[int, list[str]] = {0: [], 1: [], 2: []}
+        finishes = {}
+        async for chunk in stream:
+            for c in chunk.choices:
+                parts[c.index].append(c.text)
+                if c.finish_reason is not None:
+                    finishes[c.index] = c.finish_reason
+    texts = [c.text for c in greedy.choices]
+    assert [c.index for c in greedy.choices] == [0, 1, 2]
+    assert texts[0] and texts == [texts[0]] * 3  # greedy: the same three times
+    assert greedy.usage.prompt_tokens == len(ids)  # one prompt
+    assert greedy.usage.completion_tokens == 3 * MAX_TOKENS
+    # Seeded: choice i draws what a single request seeded 7 + i does.
+    assert [c.text for c in seeded.choices] == [s.choices[0].text for s in singles]
+    assert len({c.text for c in seeded.choices}) > 1
+    assert ["".join(parts[i]) for i in range(3)] == [c.text for c in seeded.choices]
+    assert finishes == {0: "length", 1: "length", 2: "length"}

@@ -36,8 +36,9 @@ def chat(**fields: Any) -> dict[str, Any]:
 
 # (id, endpoint, body, the param the 400 must name)
 REFUSED: list[tuple[str, Endpoint, dict[str, Any], str]] = [
-    ("n", COMPLETIONS, completion(n=2), "n"),
-    ("chat-n", CHAT, chat(n=3), "n"),
+    ("n-zero", COMPLETIONS, completion(n=0), "n"),
+    ("chat-n-too-many", CHAT, chat(n=17), "n"),
+    ("n-type", COMPLETIONS, completion(n=2.5), "n"),
     ("best-of", COMPLETIONS, completion(best_of=2), "best_of"),
     ("echo-chat", CHAT, chat(echo=True), "echo"),
     ("echo-type", COMPLETIONS, completion(echo="yes"), "echo"),
