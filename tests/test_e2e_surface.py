@@ -2,7 +2,9 @@
 and decode workers as processes, shm, tiny model in fp32): ``logit_bias`` of -100 bans
 tokens the model would pick, on the prefill worker's first token and on decode's; ``echo``
 with ``logprobs`` returns the prompt with HF's log-probabilities, also when the prompt's
-KV is already in the prefill worker's prefix cache.
+KV is already in the prefill worker's prefix cache; ``n=3`` gives three choices from one
+prefill (greedy: identical; seeded: as three single requests seeded seed + i), streamed
+with their index, over HTTP and gRPC, and a client leaving mid-stream frees every block.
 """
 
 from __future__ import annotations
@@ -15,7 +17,14 @@ import pytest
 import torch
 
 from protos.baton.v1 import common_pb2, generate_pb2
-from tests.e2e_helpers import E2ECluster, gateway_stub, generate, prompt_ids, tiny_cluster
+from tests.e2e_helpers import (
+    E2ECluster,
+    gateway_stub,
+    generate,
+    prompt_ids,
+    tiny_cluster,
+    wait_settled,
+)
 from tests.engine_helpers import hf_model
 
 MAX_TOKENS = 6
@@ -40,7 +49,13 @@ async def _tokens(cluster: E2ECluster, ids: list[int], **sampling: object) -> tu
     return tokens, "".join(r.text for r in outcome.responses)
 
 
-async def test_logit_bias_and_echo_through_the_split(cluster: E2ECluster, tiny_llama: Path) -> None:
+async def test_the_openai_surface_through_the_split(cluster: E2ECluster, tiny_llama: Path) -> None:
+    """One deployment, started once, for all three (the one test here with processes)."""
+    await _logit_bias_and_echo(cluster, tiny_llama)
+    await _n_choices_from_one_prefill(cluster)
+
+
+async def _logit_bias_and_echo(cluster: E2ECluster, tiny_llama: Path) -> None:
     ids = prompt_ids(40, "surface")
     free, _ = await _tokens(cluster, ids)
     # free[0] is sampled by the prefill worker, free[2] by the decode worker.
@@ -82,7 +97,7 @@ async def test_logit_bias_and_echo_through_the_split(cluster: E2ECluster, tiny_l
     assert echoed[1].usage.prompt_tokens == len(ids)
 
 
-async def test_n_choices_from_one_prefill(cluster: E2ECluster) -> None:
+async def _n_choices_from_one_prefill(cluster: E2ECluster) -> None:
     ids = prompt_ids(40, "choices")
     client = openai.AsyncOpenAI(
         base_url=f"http://{cluster.http_address}/v1", api_key="unused", max_retries=0, timeout=60
@@ -109,6 +124,25 @@ async def test_n_choices_from_one_prefill(cluster: E2ECluster) -> None:
                 parts[c.index].append(c.text)
                 if c.finish_reason is not None:
                     finishes[c.index] = c.finish_reason
+        # A client that leaves mid-stream: every choice is aborted, every block freed.
+        long = {**sampled, "max_tokens": 200}
+        leaving = await client.completions.create(
+            model=model.id, prompt=ids, n=3, stream=True, **long
+        )
+        async for _ in leaving:
+            break
+        await leaving.close()
+    await wait_settled(cluster.live_workers(), logs=cluster.logs)
+    async with gateway_stub(cluster.gateway_address) as stub:
+        grpc_n = await generate(
+            stub,
+            generate_pb2.GenerateRequest(
+                token_ids=generate_pb2.TokenIds(ids=ids),
+                sampling_params=common_pb2.SamplingParameters(
+                    max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, n=2
+                ),
+            ),
+        )
     texts = [c.text for c in greedy.choices]
     assert [c.index for c in greedy.choices] == [0, 1, 2]
     assert texts[0] and texts == [texts[0]] * 3  # greedy: the same three times
@@ -119,3 +153,9 @@ async def test_n_choices_from_one_prefill(cluster: E2ECluster) -> None:
     assert len({c.text for c in seeded.choices}) > 1
     assert ["".join(parts[i]) for i in range(3)] == [c.text for c in seeded.choices]
     assert finishes == {0: "length", 1: "length", 2: "length"}
+    per_choice = [
+        [t for r in grpc_n.responses if r.index == i for t in r.token_ids] for i in (0, 1)
+    ]
+    assert per_choice[0] == per_choice[1] and len(per_choice[0]) == MAX_TOKENS
+    assert grpc_n.responses[-1].usage.completion_tokens == 2 * MAX_TOKENS
+    assert "".join(r.text for r in grpc_n.responses if r.index == 0) == texts[0]

@@ -1,0 +1,115 @@
+"""``n`` choices on a decode worker (decode_service.choices): choice 0 runs as the request
+would alone, the others start once its first token is out and share the prompt's KV
+blocks through the prefix cache; each choice is seeded ``seed + i``; closing the merged
+stream aborts every choice. Driven on fake streams and on the tiny model's AsyncEngine
+(the path the Decode servicer takes), without gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from decode_service.choices import fan_out
+from engine.async_engine import AsyncEngine
+from engine.request import FinishReason, RequestOutput
+from engine.sampling_params import MAX_N, SamplingParams
+from tests.engine_helpers import make_core
+from tests.test_seeded_split import PROMPT
+
+BLOCK = 16
+
+
+async def _script(name: str, n: int, log: list[str]) -> AsyncIterator[RequestOutput]:
+    try:
+        for i in range(n):
+            log.append(f"{name}{i}")
+            last = i == n - 1
+            yield RequestOutput(name, [i], finish_reason=FinishReason.LENGTH if last else None)
+            await asyncio.sleep(0)
+    finally:
+        log.append(f"{name} closed")
+
+
+def test_choice_params_seed_each_choice_as_vllm_does() -> None:
+    params = SamplingParams(n=3, seed=7, temperature=1.0, prompt_logprobs=1)
+    assert [params.choice(i).seed for i in range(3)] == [7, 8, 9]
+    assert all(params.choice(i).n == 1 for i in range(3))
+    assert [params.choice(i).prompt_logprobs for i in range(3)] == [1, None, None]
+    assert SamplingParams(n=2).choice(1).seed is None
+    with pytest.raises(ValueError, match=f"n must be <= {MAX_N}"):
+        SamplingParams(n=MAX_N + 1)
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        SamplingParams(n=0)
+    with pytest.raises(ValueError, match=r"seed \+ n - 1 must be < 2\*\*63"):
+        SamplingParams(n=2, seed=2**63 - 1)
+
+
+async def test_the_others_start_after_choice_0s_first_output() -> None:
+    log: list[str] = []
+    started: list[int] = []
+
+    def start(i: int) -> AsyncIterator[RequestOutput]:
+        started.append(i)
+        log.append(f"start {i}")
+        return _script(f"c{i}", 2, log)
+
+    outs = [o async for o in fan_out(_script("c0", 3, log), start, 3)]
+    assert started == [1, 2]
+    assert log.index("start 1") > log.index("c00")
+    by_index = {i: [t for o in outs if o.index == i for t in o.new_token_ids] for i in range(3)}
+    assert by_index == {0: [0, 1, 2], 1: [0, 1], 2: [0, 1]}
+    assert sum(o.finished for o in outs) == 3
+
+
+async def test_closing_the_stream_closes_every_choice() -> None:
+    log: list[str] = []
+    merged = fan_out(_script("c0", 100, log), lambda i: _script(f"c{i}", 100, log), 3)
+    async with contextlib.aclosing(merged):
+        seen = {(await anext(merged)).index for _ in range(12)}
+    assert seen == {0, 1, 2}
+    assert {"c0 closed", "c1 closed", "c2 closed"} <= set(log)
+
+
+async def test_an_error_in_one_choice_ends_the_stream() -> None:
+    async def broken() -> AsyncIterator[RequestOutput]:
+        raise ValueError("choice 1 failed")
+        yield  # pragma: no cover
+
+    log: list[str] = []
+    with pytest.raises(ValueError, match="choice 1 failed"):
+        async for _ in fan_out(_script("c0", 50, log), lambda i: broken(), 2):
+            pass
+    assert "c0 closed" in log
+
+
+async def test_choices_share_the_prompts_kv_blocks(tiny_llama: Path) -> None:
+    engine = AsyncEngine(make_core(tiny_llama, num_blocks=64))
+    await engine.start()
+    try:
+        choices = SamplingParams(n=3, max_tokens=10, temperature=0, ignore_eos=True)
+
+        def start(i: int) -> AsyncIterator[RequestOutput]:
+            return engine.generate(f"r/{i}", PROMPT * 2, choices.choice(i))
+
+        total = engine.stats().num_total_blocks
+        tokens: dict[int, list[int]] = {0: [], 1: [], 2: []}
+        used = 0
+        merged = fan_out(start(0), start, 3)
+        async with contextlib.aclosing(merged):
+            async for out in merged:
+                tokens[out.index].extend(out.new_token_ids)
+                if all(0 < len(t) < 10 for t in tokens.values()):  # all three running
+                    used = max(used, total - engine.stats().num_free_blocks)
+        # 36 prompt tokens + 10: 3 blocks for one request alone. Choices: the 2 full
+        # prompt blocks shared, a third block each.
+        assert len(PROMPT * 2) == 36
+        one = -(-(36 + 10) // BLOCK)
+        assert used == 2 + 3 < 3 * one
+        # Greedy: the same tokens three times.
+        assert tokens[0] == tokens[1] == tokens[2] and len(tokens[0]) == 10
+    finally:
+        await engine.shutdown()
