@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -17,6 +18,10 @@ from decode_service.choices import fan_out
 from engine.async_engine import AsyncEngine
 from engine.request import FinishReason, RequestOutput
 from engine.sampling_params import MAX_N, SamplingParams
+from protos.baton.v1 import common_pb2, generate_pb2
+from protos.client.messages import Chunk, Completion, Usage
+from protos.client.messages import FinishReason as ClientFinish
+from protos.client.messages import SamplingParams as ClientSamplingParams
 from tests.engine_helpers import make_core
 from tests.test_seeded_split import PROMPT
 
@@ -113,3 +118,17 @@ async def test_choices_share_the_prompts_kv_blocks(tiny_llama: Path) -> None:
         assert tokens[0] == tokens[1] == tokens[2] and len(tokens[0]) == 10
     finally:
         await engine.shutdown()
+
+
+def test_the_python_client_asks_for_n_and_reads_the_index() -> None:
+    assert ClientSamplingParams(n=3).to_proto().n == 3
+    lp = common_pb2.TokenLogprob(token_id=4, logprob=-0.5, rank=1)
+    chunk = Chunk.from_proto(
+        generate_pb2.GenerateResponse(request_id="r", index=2, prompt_logprobs=[lp])
+    )
+    assert chunk.index == 2 and [p.token_id for p in chunk.prompt_logprobs] == [4]
+    last = dataclasses.replace(
+        chunk, finish_reason=ClientFinish.LENGTH, usage=Usage(3, 1, 0), prompt_logprobs=()
+    )
+    with pytest.raises(ValueError, match="read its chunks by their index"):
+        Completion.from_chunks([last])
