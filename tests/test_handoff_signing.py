@@ -86,6 +86,7 @@ def _order() -> PrefillOrder:
         output_offset=4,  # a request that moved: its prompt ends with 4 earlier outputs
         logit_bias=((5, -100.0), (9, 2.5)),
         prompt_logprobs=2,
+        n=2,
     )
     desc = KVDescriptor(endpoint, "r1", (3, 4, 5), epoch=77, lease_token=LEASE)
     order = PrefillOrder("r1", tuple(range(100, 140)), params, desc, timeout_s=12.5)
