@@ -16,13 +16,18 @@ import pytest
 
 from decode_service.choices import fan_out
 from engine.async_engine import AsyncEngine
-from engine.request import FinishReason, RequestOutput
+from engine.request import FinishReason, RequestOutput, TokenLogprob
 from engine.sampling_params import MAX_N, SamplingParams
+from gateway.openai_request import Endpoint, parse_request
+from gateway.openai_response import ResponseBuilder
+from gateway.output_processor import GenerateDelta
+from gateway.output_processor import Usage as OutputUsage
 from protos.baton.v1 import common_pb2, generate_pb2
 from protos.client.messages import Chunk, Completion, Usage
 from protos.client.messages import FinishReason as ClientFinish
 from protos.client.messages import SamplingParams as ClientSamplingParams
 from tests.engine_helpers import make_core
+from tests.test_openai_request import CARD
 from tests.test_seeded_split import PROMPT
 
 BLOCK = 16
@@ -132,3 +137,29 @@ def test_the_python_client_asks_for_n_and_reads_the_index() -> None:
     )
     with pytest.raises(ValueError, match="read its chunks by their index"):
         Completion.from_chunks([last])
+
+
+def test_an_openai_response_lists_each_choice_and_echoes_each() -> None:
+    body = {"model": "m", "prompt": [5, 6, 7], "n": 2, "echo": True, "logprobs": 0}
+    req = parse_request(Endpoint.COMPLETIONS, body, CARD, None)
+    assert req.input.params.n == 2 and req.input.params.prompt_logprobs == 0
+    builder = ResponseBuilder(req, "r", 0, lambda t: f"<{t}>", prompt_text="<5><6><7>")
+    lp = [TokenLogprob(6, -1.0, 1, []), TokenLogprob(7, -2.0, 1, [])]
+    first = GenerateDelta([9], "<9>", [TokenLogprob(9, -0.5, 1, [])], index=0)
+    first.prompt_token_ids, first.prompt_logprobs = [5, 6, 7], lp
+    other = GenerateDelta([8], "<8>", [TokenLogprob(8, -0.25, 1, [])], index=1)
+    other.finish_reason = FinishReason.LENGTH
+    last = GenerateDelta([], "", [], finish_reason=FinishReason.LENGTH, index=0, last=True)
+    last.usage = OutputUsage(prompt_tokens=3, completion_tokens=2)
+    streamed = [c for d in (first, other, last) for c in builder.chunks(d)]
+    assert [c["choices"][0]["index"] for c in streamed] == [0, 1, 0]
+    assert streamed[1]["choices"][0]["logprobs"]["token_logprobs"] == [None, -1.0, -2.0, -0.25]
+    whole_builder = ResponseBuilder(req, "r", 0, lambda t: f"<{t}>", prompt_text="<5><6><7>")
+    for d in (first, other, last):
+        whole_builder.add(d)
+    whole = whole_builder.response()
+    assert [c["text"] for c in whole["choices"]] == ["<5><6><7><9>", "<5><6><7><8>"]
+    assert [c["finish_reason"] for c in whole["choices"]] == ["length", "length"]
+    assert whole["choices"][1]["logprobs"]["tokens"] == ["<5>", "<6>", "<7>", "<8>"]
+    assert whole["choices"][1]["logprobs"]["text_offset"] == [0, 3, 6, 9]
+    assert whole["usage"]["completion_tokens"] == 2
