@@ -163,3 +163,11 @@ def test_an_openai_response_lists_each_choice_and_echoes_each() -> None:
     assert whole["choices"][1]["logprobs"]["tokens"] == ["<5>", "<6>", "<7>", "<8>"]
     assert whole["choices"][1]["logprobs"]["text_offset"] == [0, 3, 6, 9]
     assert whole["usage"]["completion_tokens"] == 2
+
+
+async def test_one_choice_passes_through_and_is_closed_with_the_stream() -> None:
+    log: list[str] = []
+    merged = fan_out(_script("c0", 100, log), lambda i: _script(f"c{i}", 1, log), 1)
+    async with contextlib.aclosing(merged):
+        assert (await anext(merged)).index == 0
+    assert log == ["c00", "c0 closed"]
