@@ -22,11 +22,14 @@ from gateway.openai_request import Endpoint, parse_request
 from gateway.openai_response import ResponseBuilder
 from gateway.output_processor import GenerateDelta
 from gateway.output_processor import Usage as OutputUsage
+from gateway.served_model import ServedModel
 from protos.baton.v1 import common_pb2, generate_pb2
 from protos.client.messages import Chunk, Completion, Usage
 from protos.client.messages import FinishReason as ClientFinish
 from protos.client.messages import SamplingParams as ClientSamplingParams
 from tests.engine_helpers import make_core
+from tests.fake_workers import FakeDecodeWorker, Script, fake_workers
+from tests.http_helpers import MODEL, ids_of, running_http
 from tests.test_openai_request import CARD
 from tests.test_seeded_split import PROMPT
 
@@ -171,3 +174,35 @@ async def test_one_choice_passes_through_and_is_closed_with_the_stream() -> None
     async with contextlib.aclosing(merged):
         assert (await anext(merged)).index == 0
     assert log == ["c00", "c0 closed"]
+
+
+async def test_the_gateway_shapes_n_choices_and_ends_each_on_its_own(
+    served_smollm2: ServedModel,
+) -> None:
+    words = [" hello world", " stop here now", " ok"]
+    per_choice = [ids_of(served_smollm2, w) for w in words]
+    decode = FakeDecodeWorker()
+    decode.script = Script(
+        choice_token_ids=per_choice, finish_reason=common_pb2.FINISH_REASON_LENGTH
+    )
+    async with fake_workers([decode]) as (d, _), running_http(served_smollm2, d) as gw:
+        whole = await gw.client.completions.create(model=MODEL, prompt="x", n=3, stop=["here"])
+        stream = await gw.client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], n=3, stream=True
+        )
+        chunks = [c async for c in stream]
+    assert decode.requests[0].sampling_params.n == 3
+    assert [c.text for c in whole.choices] == [" hello world", " stop ", " ok"]
+    assert [c.finish_reason for c in whole.choices] == ["length", "stop", "length"]
+    shown = len(per_choice[0]) + len(per_choice[2])
+    assert shown < whole.usage.completion_tokens < shown + len(per_choice[1])
+    texts = {i: "" for i in range(3)}
+    finishes = {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+    assert texts == dict(enumerate(words))
+    assert finishes == {0: "length", 1: "length", 2: "length"}
+    assert chunks[-1].choices[0].finish_reason is not None  # the stream ends with a finish
