@@ -205,6 +205,7 @@ class DecodeHandoff:
                     num_prompt_tokens=len(prompt),
                     num_cached_tokens=first.num_cached_tokens,
                     timings=_handoff_timings(timings, done.timings),
+                    prompt_logprobs=list(first.prompt_logprobs) or None,
                 )
                 async for out in stream:
                     yield out

@@ -33,6 +33,7 @@ import grpc
 from opentelemetry import trace
 from opentelemetry.context import Context
 
+from decode_service.choices import fan_out
 from decode_service.handoff import DecodeHandoff, HandoffLimits, PrefillLink
 from decode_service.kv_inbox import KVInbox
 from decode_service.prefill_fleet import PrefillFleet
@@ -264,7 +265,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 f"prompt_token_ids has {num_prompt} tokens; max_model_len is {max_len}"
             )
         rid = f"{request.request_id}#{self._incarnation[:12]}.{next(self._attempts)}"
-        params = sampling_params_from_proto(request.sampling_params)
+        choices = sampling_params_from_proto(request.sampling_params)
+        params = choices.choice(0)
         prompt = list(request.prompt_token_ids)
         parent = context_from_metadata(context.invocation_metadata())
         if self.cfg.role == "both":
@@ -287,6 +289,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             outputs = self.handoff.run(
                 rid, prompt, params, request.prefill_address, deadline, trace_context=parent
             )
+        outputs = fan_out(
+            outputs,
+            lambda i: self._generate(f"{rid}/{i}", prompt, choices.choice(i), parent),
+            choices.n,
+        )
         assert self._fatal is not None
         outputs = unless_fatal(outputs, self._fatal)
         # Closed explicitly, so leaving early frees the request now, not at GC.
@@ -314,13 +321,18 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 async def _responses(
     outputs: AsyncIterator[RequestOutput], num_prompt: int
 ) -> AsyncIterator[worker_pb2.DecodeResponse]:
-    completion = cached = 0
+    # Per choice (fan_out's index): each choice's last message has its own usage.
+    completion: dict[int, int] = {}
+    cached = 0
     async for out in outputs:
-        completion += len(out.new_token_ids)
-        cached = cached or out.num_cached_tokens
+        completion[out.index] = completion.get(out.index, 0) + len(out.new_token_ids)
+        if out.index == 0:  # the prompt's cache hits, as the hand-off reported them
+            cached = cached or out.num_cached_tokens
         msg = worker_pb2.DecodeResponse(
+            index=out.index,
             token_ids=out.new_token_ids,
             logprobs=[token_logprob_to_proto(lp) for lp in out.logprobs or []],
+            prompt_logprobs=[token_logprob_to_proto(lp) for lp in out.prompt_logprobs or []],
         )
         if out.timings is not None:
             msg.timings.CopyFrom(request_timings_to_proto(out.timings))
@@ -329,7 +341,7 @@ async def _responses(
             msg.usage.CopyFrom(
                 common_pb2.Usage(
                     prompt_tokens=num_prompt,
-                    completion_tokens=completion,
+                    completion_tokens=completion[out.index],
                     cached_tokens=cached,
                 )
             )

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +36,7 @@ from engine.forward_context import (
 )
 from engine.layers.attention import PagedAttention, triton_attention_backend
 from engine.model_runner import ModelRunner
+from engine.prompt_logprobs import PromptRows, fill_prompt_logprobs, prompt_logprob_rows
 from engine.scheduler import PENDING_TOKEN, SampledToken, SchedulerOutput
 
 
@@ -58,6 +59,7 @@ class GpuBatch:
     input_ids: torch.Tensor | None = None
     positions: torch.Tensor | None = None
     meta: AttentionMetadata | None = None
+    prompt_lp: list[PromptRows] = field(default_factory=list)
 
 
 class Uploader:
@@ -198,6 +200,7 @@ class CudaModelRunner(ModelRunner):
         assert batch.meta is not None and batch.input_ids is not None
         with forward_context(ForwardContext(batch.meta, self.kv_cache)):
             hidden = self.model(batch.input_ids, batch.positions)
+        fill_prompt_logprobs(self.model.compute_logits, batch.prompt_lp, hidden)
         if not batch.sample_seq_idx:
             return hidden.new_empty((0, self.model_cfg.vocab_size), dtype=torch.float32)
         rows = hidden if batch.sample_rows is None else hidden[batch.sample_rows]
@@ -248,7 +251,13 @@ class CudaModelRunner(ModelRunner):
         rows = [row_end[i] for i in sample_idx]
         every_row = rows == list(range(len(ids)))
         graphs = self.graphs
-        if not prefill and graphs is not None and graphs.bucket_for(len(decode)) is not None:
+        prompt_lp = prompt_logprob_rows(seqs)
+        if (
+            not prefill
+            and not prompt_lp  # a graph computes the sampled rows' logits only
+            and graphs is not None
+            and graphs.bucket_for(len(decode)) is not None
+        ):
             sample_rows = None
             if not every_row:
                 (sample_rows,) = self._uploader.upload([np.asarray(rows, dtype=np.int32)])
@@ -291,4 +300,5 @@ class CudaModelRunner(ModelRunner):
             ids_d,
             pos_d,
             meta,
+            prompt_lp,
         )

@@ -3,7 +3,7 @@
 ``Sampler`` builds small tensors from Python lists and reads a maximum back from the
 device; on a GPU each of those waits for the whole queued forward pass. Here rows that
 ask only for greedy, temperature, top-k, top-p, min-p or a seed, without logprobs,
-penalties or min_tokens, take one path whose parameters travel in one pinned buffer
+logit bias, penalties or min_tokens, take one path whose parameters travel in one pinned buffer
 with one non-blocking copy; the only synchronisation left is reading the chosen tokens
 back. Any other batch (a constrained row's too) goes to ``Sampler`` unchanged.
 
@@ -29,7 +29,12 @@ _GREEDY, _TEMP, _TOP_K, _TOP_P, _MIN_P, _UNSEEDED = range(6)
 
 def _plain(row: SamplingRow) -> bool:
     p = row.params
-    return p.logprobs is None and not p.has_penalties and row.num_outputs >= p.min_tokens
+    return (
+        p.logprobs is None
+        and not p.logit_bias
+        and not p.has_penalties
+        and row.num_outputs >= p.min_tokens
+    )
 
 
 class DeviceSampler(Sampler):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import ctypes
+import dataclasses
 import functools
 import logging
 import os
@@ -47,6 +48,7 @@ from engine.kernels.route_table import (
 from engine.kv_layout import KVLayout
 from engine.layers.attention import DETERMINISTIC_SPLIT
 from engine.models.llama import LlamaForCausalLM
+from engine.prompt_logprobs import PromptRows, fill_prompt_logprobs, prompt_logprob_rows
 from engine.sampler import Sampler, SamplingRow, position_generator
 from engine.scheduler import PENDING_TOKEN, SampledToken, ScheduledSeq, SchedulerOutput
 from engine.timeline import OFF, RUNNER, TimelineRecorder
@@ -70,6 +72,8 @@ class PreparedStep:
     # Flat rows whose token the previous step samples, and whose request it is.
     pending_rows: list[int]
     pending_ids: list[str]
+    # engine.prompt_logprobs.prompt_logprob_rows of the step.
+    prompt_lp: list[PromptRows] = dataclasses.field(default_factory=list)
 
 
 class ModelRunner:
@@ -315,6 +319,7 @@ class ModelRunner:
     def _forward(self, batch: PreparedStep) -> torch.Tensor:
         with forward_context(ForwardContext(batch.meta, self.kv_cache)):
             hidden = self.model(batch.input_ids, batch.positions)
+        fill_prompt_logprobs(self.model.compute_logits, batch.prompt_lp, hidden)
         if not batch.sample_seq_idx:
             return hidden.new_empty((0, self.model_cfg.vocab_size), dtype=torch.float32)
         return self.model.compute_logits(hidden[batch.sample_rows]).float()
@@ -429,6 +434,7 @@ class ModelRunner:
             sample_seq_idx=sample_idx,
             pending_rows=pending_rows,
             pending_ids=pending_ids,
+            prompt_lp=prompt_logprob_rows(seqs),
         )
 
 

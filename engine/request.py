@@ -84,6 +84,12 @@ class RequestOutput:
     # The request's phases known when this output was made: the engine sets queued_s and
     # prefill_s on a request's first token; the services add theirs.
     timings: RequestTimings | None = None
+    # On a request's first token when it asked for ``prompt_logprobs``: one entry per
+    # prompt token after the first (prompt position 0 has no logprob).
+    prompt_logprobs: list[TokenLogprob] | None = None
+    # Which of a request's ``n`` choices this output belongs to; the engine runs one
+    # sequence per request (always 0), the decode worker's fan-out numbers them.
+    index: int = 0
 
     @property
     def finished(self) -> bool:
@@ -115,6 +121,9 @@ class Request:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
+    # Filled by the runner chunk by chunk when ``params.prompt_logprobs`` is set: entry j
+    # is prompt token j + 1's (see RequestOutput.prompt_logprobs).
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -1,5 +1,5 @@
 """Batched token sampling on the device: greedy, temperature, top-k, top-p, min-p, seeds,
-penalties, min_tokens, logprobs.
+logit bias, penalties, min_tokens, logprobs.
 
 Sampling uses the exponential race (argmax of p / Exp(1) noise), which equals drawing
 from p. A seeded request draws the noise of each output position from a generator
@@ -79,6 +79,8 @@ class Sampler:
             logits[index] = logits[index].masked_fill(~masks.allowed, float("-inf"))
         for i, row in enumerate(rows):
             p = row.params
+            if p.logit_bias:
+                _apply_logit_bias(logits[i], p.logit_bias)
             if p.has_penalties and row.token_ids is not None:
                 _apply_penalties(logits[i], row)
             if row.num_outputs < p.min_tokens:
@@ -162,7 +164,16 @@ class Sampler:
 
 
 def _needs_edit(row: SamplingRow) -> bool:
-    return row.params.has_penalties or row.num_outputs < row.params.min_tokens
+    p = row.params
+    return bool(p.logit_bias) or p.has_penalties or row.num_outputs < p.min_tokens
+
+
+def _apply_logit_bias(logits: torch.Tensor, bias: tuple[tuple[int, float], ...]) -> None:
+    """OpenAI's logit_bias, in place on one row: only the named tokens move, so a row
+    without it (and every other row of the batch) samples exactly as it would alone."""
+    ids = torch.tensor([t for t, _ in bias], device=logits.device, dtype=torch.long)
+    values = torch.tensor([b for _, b in bias], device=logits.device, dtype=logits.dtype)
+    logits.index_add_(0, ids, values)
 
 
 def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:

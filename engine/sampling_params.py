@@ -5,6 +5,7 @@ Torch-free: the gateway and rpc/ build these from the wire and the engine consum
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -12,6 +13,11 @@ from engine.constraint import Constraint
 
 MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 64
+# OpenAI's own bounds on logit_bias: at most 300 entries, each bias in [-100, 100].
+MAX_LOGIT_BIAS = 300
+LOGIT_BIAS_LIMIT = 100.0
+# Most choices one request may ask for (``n``): each is a decode sequence of its own.
+MAX_N = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +35,10 @@ class SamplingParams:
 
     ``constraint`` (``engine.constraint``): the output must match it; every other token is
     masked before sampling.
+
+    ``logit_bias`` holds (token id, bias) pairs, added to those tokens' logits before
+    penalties, temperature and the filters; it is kept sorted by token id, so equal biases
+    give equal records (and equal hand-off tags) however the client ordered them.
     """
 
     max_tokens: int = 16
@@ -46,6 +56,13 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     output_offset: int = 0
     constraint: Constraint | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # None: none; k >= 0: the log-probability of every prompt token after the first (the
+    # model's own, as vLLM's ``prompt_logprobs``) and its top-k alternatives.
+    prompt_logprobs: int | None = None
+    # Choices to generate from the one prompt (OpenAI's ``n``). The engine runs one
+    # sequence per request: the decode worker fans a request out into ``choice(i)``s.
+    n: int = 1
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, low=1)
@@ -89,6 +106,57 @@ class SamplingParams:
         _check_int("output_offset", self.output_offset, low=0)
         if self.constraint is not None and not isinstance(self.constraint, Constraint):
             raise ValueError(f"constraint must be a Constraint, got {self.constraint!r}")
+        self._check_logit_bias()
+        _check_int("n", self.n, low=1)
+        if self.n > MAX_N:
+            raise ValueError(f"n must be <= {MAX_N}, got {self.n!r}")
+        if self.seed is not None and self.seed + self.n - 1 >= 2**63:
+            raise ValueError(
+                f"seed + n - 1 must be < 2**63 (choice i draws with seed + i), got {self.seed!r}"
+            )
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, low=0)
+            if self.prompt_logprobs > MAX_LOGPROBS:
+                raise ValueError(
+                    f"prompt_logprobs must be <= {MAX_LOGPROBS}, got {self.prompt_logprobs!r}"
+                )
+
+    def _check_logit_bias(self) -> None:
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(
+                f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS} allowed"
+            )
+        pairs = []
+        for pair in self.logit_bias:
+            if not isinstance(pair, tuple | list) or len(pair) != 2:
+                raise ValueError(f"logit_bias entries must be (token id, bias) pairs, got {pair!r}")
+            token, bias = pair
+            _check_int("logit_bias token id", token, low=0)
+            _check_float(f"logit_bias[{token}]", bias)
+            if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+                raise ValueError(
+                    f"logit_bias[{token}] must be in [-{LOGIT_BIAS_LIMIT:g}, "
+                    f"{LOGIT_BIAS_LIMIT:g}], got {bias!r}"
+                )
+            pairs.append((token, float(bias)))
+        pairs.sort()
+        for (a, _), (b, _) in zip(pairs, pairs[1:], strict=False):
+            if a == b:
+                raise ValueError(f"logit_bias names token {a} more than once")
+        # Frozen: the canonical (sorted, float) form is set once, here.
+        object.__setattr__(self, "logit_bias", tuple(pairs))
+
+    def choice(self, index: int) -> SamplingParams:
+        """The parameters of choice ``index`` of ``n``: one sequence, seeded ``seed +
+        index`` (as vLLM seeds its parallel samples), so a seeded choice draws what a
+        single request with that seed would. Only choice 0 gets the prompt logprobs."""
+        assert 0 <= index < self.n, (index, self.n)
+        return dataclasses.replace(
+            self,
+            n=1,
+            seed=None if self.seed is None else self.seed + index,
+            prompt_logprobs=self.prompt_logprobs if index == 0 else None,
+        )
 
     @property
     def greedy(self) -> bool:
@@ -108,6 +176,11 @@ class SamplingParams:
             if tok >= vocab_size:
                 raise ValueError(
                     f"stop_token_ids contains {tok}, outside the vocabulary [0, {vocab_size})"
+                )
+        for tok, _ in self.logit_bias:
+            if tok >= vocab_size:
+                raise ValueError(
+                    f"logit_bias names token {tok}, outside the vocabulary [0, {vocab_size})"
                 )
 
 

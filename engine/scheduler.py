@@ -465,6 +465,8 @@ class Scheduler:
             )
             if req.num_output_tokens == 1 and req.scheduled_time is not None:
                 output.timings = _first_token_timings(req)
+            if req.num_output_tokens == 1 and req.params.prompt_logprobs is not None:
+                output.prompt_logprobs = req.prompt_logprobs[: req.num_prompt_tokens - 1]
             if reason is not None:
                 if req.status is RequestStatus.RUNNING:
                     self.running.remove(req)
@@ -548,7 +550,8 @@ class Scheduler:
         return hashes[:num_blocks]
 
     def _match_prefix(self, req: Request) -> list[int]:
-        if not self.pool.enable_prefix_caching:
+        if not self.pool.enable_prefix_caching or req.params.prompt_logprobs is not None:
+            # Prompt logprobs need every prompt position's logits: a cached block has none.
             return []
         # Leave at least one token to compute, so the step has logits to sample from.
         max_blocks = (self._logical_len(req) - 1) // self.block_size

@@ -241,6 +241,13 @@ class Dispatcher:
         reason = move_reason(exc)
         if reason is None:
             raise exc
+        if job.params.n > 1:
+            # Its choices share one stream; a move resumes one sequence, not n of them.
+            raise UnavailableError(
+                f"request {job.request_id}: decode worker {route.decode} failed after "
+                f"tokens were sent ({reason.value}: {exc}) and a request with n > 1 "
+                f"({job.params.n} choices) cannot move"
+            ) from exc
         if progress.moves >= self._max_migrations:
             bound = (
                 "moving requests is off (--max-migrations 0)"
@@ -301,6 +308,8 @@ class Dispatcher:
         stub = worker_pb2_grpc.DecodeWorkerStub(self._channels.get(route.decode))
         call = stub.Decode(request, timeout=timeout, metadata=metadata or None)
         logger.debug("request %s: Decode on %s (prefill %s)", rid, route.decode, route.prefill)
+        # Choices still running (SamplingParameters.n): each ends with a finished message.
+        unfinished = max(1, request.sampling_params.n)
         try:
             while True:
                 try:
@@ -325,12 +334,14 @@ class Dispatcher:
                         f"request {rid}: malformed DecodeResponse: {exc}"
                     ) from exc
                 if out.finished:
+                    unfinished -= 1
+                if not unfinished:
                     # Let the call end on its own, so decode sees a finished request, not a
                     # cancelled one.
                     with contextlib.suppress(TimeoutError, grpc.RpcError):
                         await asyncio.wait_for(call.code(), _STATUS_WAIT_S)
                 yield out
-                if out.finished:
+                if not unfinished:
                     return
         finally:
             if call.cancel():

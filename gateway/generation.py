@@ -46,7 +46,7 @@ from engine.errors import DeadlineExceededError, ResourceExhaustedError
 from engine.request import RequestTimings
 from gateway.dispatcher import DecodeJob, Dispatcher
 from gateway.metrics import GatewayMetrics, RequestTrack
-from gateway.migration import Move
+from gateway.migration import BrokenStreamError, Move
 from gateway.output_processor import GenerateDelta, OutputProcessor
 from gateway.served_model import ModelCard, ServedModel
 from gateway.tokenizer import Tokenizer
@@ -154,7 +154,9 @@ class Generation:
     async def stream(
         self, req: GenerateInput, rid: str, tr: RequestTrace, *, deadline: float | None
     ) -> AsyncGenerator[GenerateDelta, None]:
-        """Deltas with content, then exactly one finished delta (with usage); or a typed error.
+        """Deltas with content, then exactly one ``last`` delta (finished, with usage); or a
+        typed error. With n > 1 each choice ends with a finished delta, the last of them
+        ``last``.
 
         ``deadline`` is in ``loop.time()`` seconds (None: none). Closing the generator
         early cancels the request downstream.
@@ -189,15 +191,20 @@ class Generation:
             req.params.max_tokens,
             len(req.stop),
         )
-        processor = OutputProcessor(
-            rid,
-            prompt,
-            req.params,
-            self._model.tokenizer,
-            stop=req.stop,
-            include_stop_str_in_output=req.include_stop_str_in_output,
-            skip_special_tokens=req.skip_special_tokens,
-        )
+        # One per choice (n > 1: decode's outputs carry their choice's index).
+        processors = [
+            OutputProcessor(
+                rid,
+                prompt,
+                req.params,
+                self._model.tokenizer,
+                stop=req.stop,
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                skip_special_tokens=req.skip_special_tokens,
+            )
+            for _ in range(req.params.n)
+        ]
+        ended: list[GenerateDelta | None] = [None] * req.params.n
         loop = asyncio.get_running_loop()
         final: GenerateDelta | None = None
         reported = RequestTimings()  # what decode said so far
@@ -225,13 +232,25 @@ class Generation:
                 async with contextlib.aclosing(outputs) as outs:
                     async for out in outs:
                         reported = reported.merged(out.timings)
-                        delta = processor.process(out)
+                        if not 0 <= out.index < len(processors):
+                            raise BrokenStreamError(
+                                f"request {rid}: decode sent choice {out.index} of "
+                                f"{len(processors)}"
+                            )
+                        if ended[out.index] is not None:
+                            continue  # a choice a stop string ended: the rest is not shown
+                        delta = processors[out.index].process(out)
+                        delta.index = out.index
                         if first_at is None and (delta.has_content or delta.finished):
                             first_at = time.monotonic()
                         if delta.finished:
-                            final = delta  # leaving the loop cancels decode if still going
-                            break
-                        if delta.has_content:
+                            ended[out.index] = delta
+                            if all(d is not None for d in ended):
+                                final = delta  # leaving the loop cancels decode if going
+                                break
+                            delta.usage = None  # the request's, on its last delta only
+                            yield delta
+                        elif delta.has_content:
                             if tr.track is not None:
                                 tr.track.tokens(len(delta.token_ids))
                             yield delta
@@ -245,9 +264,14 @@ class Generation:
                 raise
             assert final is not None, "the dispatch stream ends with a finished output or raises"
             assert first_at is not None
-            stream_span.set_attribute("baton.completion_tokens", processor.num_completion_tokens)
+            completion_tokens = sum(p.num_completion_tokens for p in processors)
+            stream_span.set_attribute("baton.completion_tokens", completion_tokens)
             stream_span.set_attribute("baton.migrations", len(moves))
         final.timings = _final_timings(reported, tr.began, first_at, time.monotonic())
+        final.last = True
+        if len(processors) > 1:  # the prompt once, every choice's tokens
+            assert final.usage is not None
+            final.usage = dataclasses.replace(final.usage, completion_tokens=completion_tokens)
         if moves:
             assert final.usage is not None
             final.usage = dataclasses.replace(final.usage, migrations=len(moves))
@@ -255,7 +279,7 @@ class Generation:
             "request %s: finished (%s) with %d tokens in %.3fs; %s%s",
             rid,
             describe_finish(final),
-            processor.num_completion_tokens,
+            completion_tokens,
             final.timings.total_s,
             describe_timings(final.timings),
             f"; moved {len(moves)} time(s)" if moves else "",

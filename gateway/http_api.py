@@ -179,7 +179,7 @@ class _Api:
                 while True:
                     for chunk in builder.chunks(delta):
                         yield sse_event(chunk)
-                    if delta.finished:
+                    if delta.last:
                         break
                     nxt = await _next(events)
                     assert isinstance(nxt, GenerateDelta)
@@ -197,7 +197,17 @@ class _Api:
         def token_text(token_id: int) -> str:
             return tokenizer.decode([token_id], skip_special_tokens=False)
 
-        return ResponseBuilder(started.req, started.rid, int(time.time()), token_text)
+        prompt_text = ""
+        if started.req.echo:
+            given = started.req.input
+            prompt_text = (
+                given.text
+                if given.text is not None
+                else tokenizer.decode(list(given.token_ids or ()), skip_special_tokens=False)
+            )
+        return ResponseBuilder(
+            started.req, started.rid, int(time.time()), token_text, prompt_text=prompt_text
+        )
 
     def _deadline(self, request: Request) -> float | None:
         """The request's deadline in loop time (None: none), from the header or default."""

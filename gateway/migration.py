@@ -122,5 +122,7 @@ class StreamProgress:
             max_tokens=self.params.max_tokens - done,
             min_tokens=max(0, self.params.min_tokens - done),
             output_offset=self.params.output_offset + done,
+            # The caller has them (they came with the first token); not computed again.
+            prompt_logprobs=None,
         )
         return [*self.prompt_token_ids, *self.emitted], params

@@ -7,22 +7,23 @@ request (gateway.validation), under OpenAI's field names. Every failure is a
 field as the error's ``param``.
 
 Nothing is silently ignored: a field that would change the output and that baton cannot
-honour (``n > 1``, ``logit_bias``, ``echo``, ...) is refused, and so is a field OpenAI
-does not define (beyond vLLM's sampling and structured-output extras, which baton
-supports). A field set to ``null``, or to the value that means "off" (``n: 1``,
-``tools: []``), is accepted. ``response_format`` and vLLM's constraint fields become one
-``Constraint`` (gateway.openai_constraint).
+honour (``best_of > 1``, ``suffix``, ...) is refused, and so is a field OpenAI does not
+define (beyond vLLM's sampling and structured-output extras, which baton supports). A
+field set to ``null``, or to the value that means "off" (``best_of: 1``, ``tools: []``),
+is accepted. ``response_format`` and vLLM's constraint fields become one ``Constraint``
+(gateway.openai_constraint).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from gateway.openai_constraint import CONSTRAINT_FIELDS, request_constraint
 from gateway.openai_tools import (
     ToolPlan,
@@ -59,15 +60,19 @@ _SAMPLING_FIELDS = {
     "frequency_penalty": "frequency_penalty",
     "repetition_penalty": "repetition_penalty",
     "min_tokens": "min_tokens",
+    "n": "n",
 }
-_BOOL_FIELDS = ("stream", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
+_BOOL_FIELDS = (
+    "stream",
+    "ignore_eos",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+    "echo",
+)
 # Fields OpenAI defines that baton supports only in their "off" value.
 _OFF_VALUES: dict[str, tuple[Any, ...]] = {
-    "n": (1,),
     "best_of": (1,),
-    "echo": (False,),
     "suffix": ("",),
-    "logit_bias": ({},),
     "functions": ([],),
     "function_call": ("none",),
     "modalities": (["text"],),
@@ -82,12 +87,13 @@ _COMMON = (
     "stop_token_ids",
     "stream_options",
     "logprobs",
+    "logit_bias",
     *_SAMPLING_FIELDS,
     *_BOOL_FIELDS,
     *_INFORMATIONAL,
     *CONSTRAINT_FIELDS,
 )
-_COMPLETION_FIELDS = frozenset((*_COMMON, "prompt", "n", "best_of", "echo", "suffix", "logit_bias"))
+_COMPLETION_FIELDS = frozenset((*_COMMON, "prompt", "n", "best_of", "echo", "suffix"))
 _CHAT_FIELDS = frozenset(
     (
         *_COMMON,
@@ -96,7 +102,7 @@ _CHAT_FIELDS = frozenset(
         "top_logprobs",
         "tools",
         "tool_choice",
-        *(name for name in _OFF_VALUES if name not in ("best_of", "echo", "suffix")),
+        *(name for name in _OFF_VALUES if name not in ("best_of", "suffix")),
     )
 )
 # Fields OpenAI defines for chat that baton does not support at all; named as such in the
@@ -145,6 +151,9 @@ class OpenAIRequest:
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
     logprobs: bool  # whether choices carry log-probabilities (top-n in input.params)
     tools: ToolPlan | None = None  # chat: the tools the model may call, and how
+    # Completions only: the response starts with the prompt (and, with logprobs, the
+    # prompt tokens' logprobs: input.params.prompt_logprobs).
+    echo: bool = False
 
 
 def parse_request(
@@ -185,14 +194,20 @@ def parse_request(
         default_max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
         logprobs_field, logprobs = "logprobs", _int_or_none(b, "logprobs")
     else:
+        if b.get("echo", False):
+            raise FieldError("echo", "echo is only supported on /v1/completions")
         plan = parse_tools(b)
         prompt = _chat_prompt(b, card, plan)
         max_tokens_field = "max_completion_tokens" if "max_completion_tokens" in b else "max_tokens"
         default_max_tokens = card.max_model_len  # the engine stops at the context limit
         logprobs_field, logprobs = _chat_logprobs(b)
+    echo = b.get("echo", False)
     params = _sampling_params(
         b, card, (max_tokens_field, default_max_tokens), (logprobs_field, logprobs), plan
     )
+    if echo and logprobs is not None:
+        # As vLLM: the prompt's tokens get the same number of alternatives as the output's.
+        params = dataclasses.replace(params, prompt_logprobs=logprobs)
     stop = b.get("stop", [])
     if isinstance(stop, str):
         stop = [stop]
@@ -213,6 +228,7 @@ def parse_request(
         include_usage=include_usage,
         logprobs=logprobs is not None,
         tools=plan,
+        echo=echo,
     )
 
 
@@ -339,8 +355,11 @@ def _sampling_params(
         if not isinstance(ids, list):
             raise FieldError("stop_token_ids", f"stop_token_ids must be a list, got {ids!r}")
         values["stop_token_ids"] = tuple(ids)
+    if "logit_bias" in b:
+        values["logit_bias"] = _logit_bias(b["logit_bias"])
     names = {field: name for name, field in _SAMPLING_FIELDS.items()}
     names |= {"max_tokens": max_tokens_field, "logprobs": logprobs_field}
+    names |= {"stop_token_ids": "stop_token_ids", "logit_bias": "logit_bias"}
     constraint = request_constraint(b)
     forced = plan.constraint() if plan is not None else None
     if forced is not None and constraint is not None:
@@ -362,6 +381,25 @@ def _sampling_params(
         raise FieldError(path(field), path(field) + message[len(field) :]) from exc
     check_sampling_params(params, card, path)
     return params
+
+
+def _logit_bias(value: object) -> tuple[tuple[int, Any], ...]:
+    """OpenAI's ``{"<token id>": bias}`` object -> (token id, bias) pairs; the ids are
+    checked here (JSON keys are strings), the biases and the count by SamplingParams."""
+    if not isinstance(value, Mapping):
+        raise FieldError("logit_bias", f"logit_bias must be an object, got {_kind(value)}")
+    if len(value) > MAX_LOGIT_BIAS:  # counted before any key is read
+        raise FieldError(
+            "logit_bias", f"logit_bias has {len(value)} entries; at most {MAX_LOGIT_BIAS} allowed"
+        )
+    pairs = []
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10):
+            raise FieldError(
+                "logit_bias", f"logit_bias keys must be token ids (decimal integers), got {key!r}"
+            )
+        pairs.append((int(key), bias))
+    return tuple(pairs)
 
 
 def _int_or_none(b: Mapping[str, Any], name: str) -> int | None:
@@ -386,11 +424,8 @@ def _same(value: object, off: object) -> bool:
 
 def _why_off(name: str) -> str:
     return {
-        "n": "this server returns one choice per request (n=1)",
         "best_of": "this server returns one choice per request (best_of=1)",
-        "echo": "the prompt is not echoed",
         "suffix": "insertion is not supported",
-        "logit_bias": "logit bias is not supported",
         "functions": "function calling is not supported",
         "function_call": "function calling is not supported",
         "modalities": "only text output is supported",

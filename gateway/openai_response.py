@@ -13,7 +13,7 @@ parses as calls (gateway.tool_calls); otherwise the text is the content, as with
 tools. Streaming a named function's call sends the arguments as they are generated
 (``tool_calls[0].function.arguments`` deltas after one delta with its id and name); with
 ``auto`` or ``required`` the text is held until the end, then sent as the calls (one
-delta) or as content.
+delta) or as content. With ``n > 1`` each choice is shaped on its own.
 
 baton's one extension: ``baton_timings``, the request's per-phase timings in seconds
 (``queued_s``, ``reserved_s``, ``prefill_s``, ``transfer_s``, ``first_token_s``,
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.errors import AbortedError
@@ -69,79 +70,119 @@ def finish_reason_of(delta: GenerateDelta) -> str | None:
     return delta.finish_reason.value  # "stop" or "length", as OpenAI spells them
 
 
+@dataclass(slots=True)
+class _Choice:
+    """What a response has of one of its choices."""
+
+    text: list[str] = field(default_factory=list)
+    logprobs: dict[str, list[Any]] = field(default_factory=dict)
+    text_offset: int = 0  # characters of completion text before the next token
+    finish_reason: str | None = None
+    sent_role: bool = False
+    echo_pending: bool = False
+    named_call_id: str | None = None  # a streamed named tool call, once it opened
+    held_text: list[str] = field(default_factory=list)  # auto/required: held until the end
+    held_logprobs: dict[str, list[Any]] = field(default_factory=dict)
+
+
 class ResponseBuilder:
-    """Shapes one request's deltas. ``token_text`` renders one token id (for logprobs)."""
+    """Shapes one request's deltas. ``token_text`` renders one token id (for logprobs).
+
+    With ``n > 1`` each delta belongs to the choice its ``index`` names; a stream's
+    chunks carry that index, a whole response lists the choices in order.
+
+    With ``echo`` (completions), ``prompt_text`` leads each choice's text, and with
+    logprobs the prompt's tokens lead them (the first with ``null``, as OpenAI and vLLM
+    return it); both come with a choice's first delta (streamed: in its first chunk).
+    The prompt's logprobs arrive once, with choice 0's first delta, which precedes every
+    other choice's (the decode worker starts them after it).
+    """
 
     def __init__(
-        self, req: OpenAIRequest, request_id: str, created: int, token_text: Callable[[int], str]
+        self,
+        req: OpenAIRequest,
+        request_id: str,
+        created: int,
+        token_text: Callable[[int], str],
+        *,
+        prompt_text: str = "",
     ) -> None:
         self._req = req
         self._chat = req.endpoint is Endpoint.CHAT
         self.id = ("chatcmpl-" if self._chat else "cmpl-") + request_id
         self._created = created
         self._token_text = token_text
-        self._sent_role = False
-        self._text: list[str] = []
-        self._logprobs: dict[str, list[Any]] = {}
-        self._text_offset = 0  # characters of completion text before the next token
-        self._finish_reason: str | None = None
+        n = req.input.params.n
+        self._choices = [_Choice(echo_pending=req.echo) for _ in range(n)]
         self._usage: Usage | None = None
         self._timings: RequestTimings | None = None
+        self._prompt_text = prompt_text
+        self._prompt_ids: list[int] = []
+        self._prompt_logprobs: list[TokenLogprob] = []
         self._plan = req.tools if self._chat else None
-        self._named_call_id: str | None = None  # a streamed named call, once it opened
-        self._held_logprobs: list[TokenLogprob] = []
 
     # -- streaming ----------------------------------------------------------------------
 
     def chunks(self, delta: GenerateDelta) -> list[dict[str, Any]]:
-        """The chunks for one delta (the finished one carries the finish reason)."""
+        """The chunks for one delta (a choice's finished one carries its finish reason)."""
         finish = finish_reason_of(delta)
+        choice = self._choices[delta.index]
         out = []
-        if self._chat and not self._sent_role:
-            self._sent_role = True
-            out.append(self._chunk({"role": "assistant", "content": ""}, None, None))
-        logprobs = self._format_logprobs(delta.logprobs) if self._req.logprobs else None
+        if self._chat and not choice.sent_role:
+            choice.sent_role = True
+            out.append(self._chunk(delta.index, {"role": "assistant", "content": ""}, None, None))
+        text, logprobs = self._parts(choice, delta)
         if self._plan is not None:
-            out += self._tool_chunks(delta, finish)
-        elif self._chat:
-            out.append(self._chunk({"content": delta.text} if delta.text else {}, logprobs, finish))
+            out += self._tool_chunks(delta.index, choice, text, logprobs, finish)
         else:
-            out.append(self._chunk(delta.text, logprobs, finish))
-        if finish is not None:
+            content: Any = text
+            if self._chat:
+                content = {"content": text} if text else {}
+            out.append(self._chunk(delta.index, content, logprobs, finish))
+        if delta.last:
             self._timings = delta.timings
             if not self._req.include_usage:
                 self._add_timings(out[-1])
         return out
 
-    def _tool_chunks(self, delta: GenerateDelta, finish: str | None) -> list[dict[str, Any]]:
-        """A stream's chunks for a request that may call tools (see the module doc)."""
+    def _tool_chunks(
+        self,
+        index: int,
+        c: _Choice,
+        text: str,
+        logprobs: dict[str, list[Any]] | None,
+        finish: str | None,
+    ) -> list[dict[str, Any]]:
+        """A stream's chunks of one choice of a request that may call tools (see the
+        module doc)."""
         assert self._plan is not None
         out = []
         if self._plan.choice is ToolChoice.NAMED:
-            logprobs = self._format_logprobs(delta.logprobs) if self._req.logprobs else None
-            call: dict[str, Any] = {"index": 0, "function": {"arguments": delta.text}}
-            if self._named_call_id is None:
-                self._named_call_id = new_call_id()
-                call |= {"id": self._named_call_id, "type": "function"}
-                call["function"] = {"name": self._plan.named, "arguments": delta.text}
-            if delta.text or "id" in call:
-                out.append(self._chunk({"tool_calls": [call]}, logprobs, None))
+            call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
+            if c.named_call_id is None:
+                c.named_call_id = new_call_id()
+                call |= {"id": c.named_call_id, "type": "function"}
+                call["function"] = {"name": self._plan.named, "arguments": text}
+            if text or "id" in call:
+                out.append(self._chunk(index, {"tool_calls": [call]}, logprobs, None))
             if finish is not None:
-                out.append(self._chunk({}, None, "tool_calls" if finish == "stop" else finish))
+                reason = "tool_calls" if finish == "stop" else finish
+                out.append(self._chunk(index, {}, None, reason))
             return out
-        self._text.append(delta.text)
-        self._held_logprobs.extend(delta.logprobs or ())
+        c.held_text.append(text)
+        for key, values in (logprobs or {}).items():
+            c.held_logprobs.setdefault(key, []).extend(values)
         if finish is None:
             return out
-        text = "".join(self._text)
-        logprobs = self._format_logprobs(self._held_logprobs) if self._req.logprobs else None
-        calls = parse_tool_calls(text, self._plan)
+        whole = "".join(c.held_text)
+        held = c.held_logprobs if self._req.logprobs else None
+        calls = parse_tool_calls(whole, self._plan)
         if calls is None:
-            out.append(self._chunk({"content": text} if text else {}, logprobs, finish))
+            out.append(self._chunk(index, {"content": whole} if whole else {}, held, finish))
         else:
-            deltas = [{"index": i, **c.as_dict()} for i, c in enumerate(calls)]
-            out.append(self._chunk({"tool_calls": deltas}, logprobs, None))
-            out.append(self._chunk({}, None, "tool_calls"))
+            deltas = [{"index": i, **call.as_dict()} for i, call in enumerate(calls)]
+            out.append(self._chunk(index, {"tool_calls": deltas}, held, None))
+            out.append(self._chunk(index, {}, None, "tool_calls"))
         return out
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
@@ -153,8 +194,8 @@ class ResponseBuilder:
             obj[TIMINGS_KEY] = self._timings.as_dict()
         return obj
 
-    def _chunk(self, content: Any, logprobs: Any, finish: str | None) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0}
+    def _chunk(self, index: int, content: Any, logprobs: Any, finish: str | None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index}
         choice["delta" if self._chat else "text"] = content
         choice["logprobs"] = logprobs
         choice["finish_reason"] = finish
@@ -165,26 +206,33 @@ class ResponseBuilder:
 
     def add(self, delta: GenerateDelta) -> None:
         finish = finish_reason_of(delta)
-        self._text.append(delta.text)
-        if self._req.logprobs:
-            for key, values in self._format_logprobs(delta.logprobs).items():
-                self._logprobs.setdefault(key, []).extend(values)
+        choice = self._choices[delta.index]
+        text, logprobs = self._parts(choice, delta)
+        choice.text.append(text)
+        for key, values in (logprobs or {}).items():
+            choice.logprobs.setdefault(key, []).extend(values)
         if finish is not None:
-            self._finish_reason, self._usage = finish, delta.usage
-            self._timings = delta.timings
+            choice.finish_reason = finish
+        if delta.last:
+            self._usage, self._timings = delta.usage, delta.timings
 
     def response(self) -> dict[str, Any]:
-        assert self._usage is not None, "response() comes after the finished delta"
-        text = "".join(self._text)
+        assert self._usage is not None, "response() comes after the last delta"
+        choices = [self._whole_choice(i, c) for i, c in enumerate(self._choices)]
+        whole = self._envelope(self._object("whole"), choices, usage=usage_dict(self._usage))
+        return self._add_timings(whole)
+
+    def _whole_choice(self, index: int, c: _Choice) -> dict[str, Any]:
+        text = "".join(c.text)
         logprobs: dict[str, Any] | None = None
         if self._req.logprobs:
-            empty = {"content": []} if self._chat else self._format_logprobs([])
-            whole: dict[str, Any] = {**empty, **self._logprobs}
+            empty = {"content": []} if self._chat else self._format_logprobs(_Choice(), [])
+            whole: dict[str, Any] = {**empty, **c.logprobs}
             if self._chat:
                 whole["refusal"] = None
             logprobs = whole
-        choice: dict[str, Any] = {"index": 0}
-        finish_reason = self._finish_reason
+        choice: dict[str, Any] = {"index": index}
+        finish_reason = c.finish_reason
         if self._chat:
             choice["message"] = {"role": "assistant", "content": text}
             calls = parse_tool_calls(text, self._plan) if self._plan is not None else None
@@ -192,15 +240,14 @@ class ResponseBuilder:
                 choice["message"] = {
                     "role": "assistant",
                     "content": None,
-                    "tool_calls": [c.as_dict() for c in calls],
+                    "tool_calls": [call.as_dict() for call in calls],
                 }
                 finish_reason = "tool_calls"
         else:
             choice["text"] = text
         choice["logprobs"] = logprobs
         choice["finish_reason"] = finish_reason
-        whole = self._envelope(self._object("whole"), [choice], usage=usage_dict(self._usage))
-        return self._add_timings(whole)
+        return choice
 
     # -- shared -------------------------------------------------------------------------
 
@@ -220,7 +267,26 @@ class ResponseBuilder:
             **extra,
         }
 
-    def _format_logprobs(self, lps: list[TokenLogprob]) -> dict[str, list[Any]]:
+    def _parts(self, c: _Choice, delta: GenerateDelta) -> tuple[str, dict[str, list[Any]] | None]:
+        """A delta's text and logprobs, led by the prompt's on its choice's first delta
+        when the request echoes."""
+        if delta.prompt_logprobs is not None:
+            self._prompt_ids = list(delta.prompt_token_ids or [])
+            self._prompt_logprobs = delta.prompt_logprobs
+        echo, c.echo_pending = c.echo_pending, False
+        text = self._prompt_text + delta.text if echo else delta.text
+        if not self._req.logprobs:
+            return text, None
+        if not echo:
+            return text, self._format_logprobs(c, delta.logprobs)
+        ids, lps = self._prompt_ids, self._prompt_logprobs
+        assert len(lps) == len(ids) - 1, "the prompt's logprobs come with choice 0's first token"
+        prompt = self._format_logprobs(c, [TokenLogprob(ids[0], 0.0, 0, []), *lps])
+        prompt["token_logprobs"][0] = prompt["top_logprobs"][0] = None  # position 0 has none
+        out = self._format_logprobs(c, delta.logprobs)
+        return text, {key: prompt[key] + out[key] for key in out}
+
+    def _format_logprobs(self, c: _Choice, lps: list[TokenLogprob]) -> dict[str, list[Any]]:
         if self._chat:
             return {"content": [self._chat_logprob(lp) for lp in lps]}
         out: dict[str, list[Any]] = {
@@ -234,8 +300,8 @@ class ResponseBuilder:
             out["tokens"].append(token)
             out["token_logprobs"].append(_finite(lp.logprob))
             out["top_logprobs"].append({self._token_text(t): _finite(v) for t, v in lp.top})
-            out["text_offset"].append(self._text_offset)
-            self._text_offset += len(token)
+            out["text_offset"].append(c.text_offset)
+            c.text_offset += len(token)
         return out
 
     def _chat_logprob(self, lp: TokenLogprob) -> dict[str, Any]:

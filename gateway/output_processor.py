@@ -39,6 +39,14 @@ class GenerateDelta:
     stop_string: str | None = None  # set when a stop string ended the request
     usage: Usage | None = None  # set on the last delta only
     timings: RequestTimings | None = None  # set on the last delta only (gateway.generation)
+    # On the first delta of a request that asked for prompt logprobs: the prompt's ids
+    # and one logprob per prompt token after the first.
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
+    index: int = 0  # the choice (SamplingParams.n > 1)
+    # The request's last delta (gateway.generation sets it): with n > 1, each choice's
+    # last delta is finished, and only the request's last one is ``last``.
+    last: bool = False
 
     @property
     def finished(self) -> bool:
@@ -67,6 +75,7 @@ class OutputProcessor:
         skip_special_tokens: bool = True,
     ) -> None:
         self.request_id = request_id
+        self._prompt_token_ids = prompt_token_ids
         self._num_prompt_tokens = len(prompt_token_ids)
         self._min_tokens = params.min_tokens
         self._detokenizer = IncrementalDetokenizer(
@@ -83,6 +92,9 @@ class OutputProcessor:
         delta = GenerateDelta()
         pieces: list[str] = []
         self._num_cached_tokens = max(self._num_cached_tokens, out.num_cached_tokens)
+        if out.prompt_logprobs is not None:
+            delta.prompt_token_ids = list(self._prompt_token_ids)
+            delta.prompt_logprobs = out.prompt_logprobs
         for i, token_id in enumerate(out.new_token_ids):
             self.num_completion_tokens += 1
             delta.token_ids.append(token_id)

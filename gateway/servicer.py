@@ -67,6 +67,8 @@ def _to_proto(request_id: str, delta: GenerateDelta) -> generate_pb2.GenerateRes
         token_ids=delta.token_ids,
         text=delta.text,
         logprobs=[token_logprob_to_proto(lp) for lp in delta.logprobs],
+        prompt_logprobs=[token_logprob_to_proto(lp) for lp in delta.prompt_logprobs or ()],
+        index=delta.index,
     )
     if delta.stop_string is not None:
         msg.finish_reason = common_pb2.FINISH_REASON_STOP_STRING

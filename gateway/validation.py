@@ -154,14 +154,16 @@ def check_sampling_params(
     ``path`` turns a SamplingParams field name into the request's field path."""
     try:
         params.validate_vocab(card.vocab_size)
-    except ValueError as exc:  # "stop_token_ids contains ..."
-        field = path("stop_token_ids")
-        raise FieldError(field, field + str(exc).removeprefix("stop_token_ids")) from exc
-    if params.logprobs is not None and params.logprobs > card.max_logprobs:
-        raise FieldError(
-            path("logprobs"),
-            f"{path('logprobs')} must be <= {card.max_logprobs}, got {params.logprobs}",
-        )
+    except ValueError as exc:  # "stop_token_ids contains ..." / "logit_bias names ..."
+        name = str(exc).split(" ", 1)[0]
+        field = path(name)
+        raise FieldError(field, field + str(exc).removeprefix(name)) from exc
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > card.max_logprobs:
+            raise FieldError(
+                path(name), f"{path(name)} must be <= {card.max_logprobs}, got {value}"
+            )
     if params.constraint is not None:
         check_constraint_compiles(params.constraint, path)
 

@@ -152,6 +152,7 @@ class PrefillHandoff:
                 logprob=out.logprobs[0] if out.logprobs else None,
                 num_cached_tokens=out.num_cached_tokens,
                 sender_incarnation=self._outbox.sender.incarnation,
+                prompt_logprobs=tuple(out.prompt_logprobs or ()),
             )
             yield self._signed(order, first)
             if deadline is None:

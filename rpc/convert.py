@@ -13,17 +13,17 @@ from typing import Any
 
 from engine.kv_layout import KVLayout
 from engine.request import FinishReason, RequestOutput, RequestTimings, TokenLogprob
-from engine.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
+from engine.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplingParams
 from engine.stats import EngineStats
 from engine.transfer.base import KVDescriptor, KVEndpoint
 from protos.baton.v1 import common_pb2, kv_pb2, worker_pb2
 from rpc.convert_constraint import constraint_from_proto, constraint_to_proto
 
 _SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
-# SamplingParams fields that are `optional` scalars on the wire (all but the repeated one
-# and the constraint, a oneof: rpc.convert_constraint).
+# SamplingParams fields that are `optional` scalars on the wire (all but the repeated
+# stop_token_ids, the logit_bias map and the constraint, a oneof: rpc.convert_constraint).
 _OPTIONAL_SCALARS = tuple(
-    name for name in _SAMPLING_FIELDS if name not in ("stop_token_ids", "constraint")
+    name for name in _SAMPLING_FIELDS if name not in ("stop_token_ids", "logit_bias", "constraint")
 )
 
 _FINISH_TO_PROTO = {
@@ -78,6 +78,13 @@ def sampling_params_from_proto(
             )
         values["stop_token_ids"] = tuple(msg.stop_token_ids)
     values["constraint"] = constraint_from_proto(msg, path=path)
+    if msg.logit_bias:
+        if len(msg.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(
+                f"{path}.logit_bias has {len(msg.logit_bias)} entries; at most "
+                f"{MAX_LOGIT_BIAS} allowed"
+            )
+        values["logit_bias"] = tuple(msg.logit_bias.items())
     try:
         return SamplingParams(**values)
     except ValueError as exc:
@@ -87,7 +94,9 @@ def sampling_params_from_proto(
 def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParameters:
     """Every field set explicitly, so the receiver never falls back on its own defaults
     (``seed`` and ``logprobs`` stay unset when None)."""
-    msg = common_pb2.SamplingParameters(stop_token_ids=params.stop_token_ids)
+    msg = common_pb2.SamplingParameters(
+        stop_token_ids=params.stop_token_ids, logit_bias=dict(params.logit_bias)
+    )
     for name in _OPTIONAL_SCALARS:
         value = getattr(params, name)
         if value is not None:
@@ -171,6 +180,8 @@ def decode_response_from_output(
         token_ids=out.new_token_ids,
         logprobs=[token_logprob_to_proto(lp) for lp in out.logprobs or ()],
         finish_reason=finish_reason_to_proto(out.finish_reason),
+        prompt_logprobs=[token_logprob_to_proto(lp) for lp in out.prompt_logprobs or ()],
+        index=out.index,
     )
     if out.finished:
         msg.usage.CopyFrom(
@@ -192,6 +203,8 @@ def output_from_decode_response(request_id: str, msg: worker_pb2.DecodeResponse)
         num_prompt_tokens=usage.prompt_tokens if usage is not None else 0,
         num_cached_tokens=usage.cached_tokens if usage is not None else 0,
         timings=request_timings_from_proto(msg.timings) if msg.HasField("timings") else None,
+        prompt_logprobs=[token_logprob_from_proto(lp) for lp in msg.prompt_logprobs] or None,
+        index=msg.index,
     )
 
 
@@ -206,6 +219,7 @@ def first_token_from_output(out: RequestOutput) -> worker_pb2.FirstToken:
         token_id=out.new_token_ids[0],
         num_cached_tokens=out.num_cached_tokens,
         finish_reason=finish_reason_to_proto(out.finish_reason),
+        prompt_logprobs=[token_logprob_to_proto(lp) for lp in out.prompt_logprobs or ()],
     )
     if out.logprobs:
         msg.logprob.CopyFrom(token_logprob_to_proto(out.logprobs[0]))
@@ -223,6 +237,7 @@ def output_from_first_token(
         finish_reason=finish_reason_from_proto(msg.finish_reason, path="first_token.finish_reason"),
         num_prompt_tokens=num_prompt_tokens,
         num_cached_tokens=msg.num_cached_tokens,
+        prompt_logprobs=[token_logprob_from_proto(lp) for lp in msg.prompt_logprobs] or None,
     )
 
 

@@ -113,6 +113,7 @@ def prefill_event_to_proto(request_id: str, event: PrefillEvent) -> worker_pb2.P
             num_cached_tokens=event.num_cached_tokens,
             sender_incarnation_id=event.sender_incarnation,
             fleet_mac=event.mac,
+            prompt_logprobs=[token_logprob_to_proto(lp) for lp in event.prompt_logprobs],
         )
         if event.logprob is not None:
             first.logprob.CopyFrom(token_logprob_to_proto(event.logprob))
@@ -147,6 +148,7 @@ def prefill_event_from_proto(msg: worker_pb2.PrefillServerMessage) -> PrefillEve
             num_cached_tokens=first.num_cached_tokens,
             sender_incarnation=first.sender_incarnation_id,
             mac=first.fleet_mac,
+            prompt_logprobs=tuple(token_logprob_from_proto(lp) for lp in first.prompt_logprobs),
         )
     if which == "transfer_complete":
         done = msg.transfer_complete

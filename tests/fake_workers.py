@@ -45,6 +45,9 @@ class Script:
     cached_tokens: int = 0
     # Sent on the first message, as a decode worker reports its hand-off's phases.
     timings: common_pb2.RequestTimings | None = None
+    # With SamplingParameters.n > 1: each choice's tokens (default: token_ids for each),
+    # sent one token a message, the choices in turn, as decode's fan-out interleaves them.
+    choice_token_ids: Sequence[Sequence[int]] | None = None
 
 
 def worker_stats(role: int, **fields: int) -> worker_pb2.WorkerStats:
@@ -87,6 +90,11 @@ class FakeDecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
             for i in range(0, len(script.token_ids), script.chunk)
         ]
         try:
+            if request.sampling_params.n > 1:
+                for msg in self._choices(request, script, want_logprobs):
+                    yield msg
+                self.completed.append(rid)
+                return
             for sent, chunk in enumerate(chunks):
                 self._maybe_fail(script, sent)
                 if script.delay_s:
@@ -102,6 +110,26 @@ class FakeDecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
         except asyncio.CancelledError:
             self.cancelled.append(rid)
             raise
+
+    @classmethod
+    def _choices(
+        cls, request: worker_pb2.DecodeRequest, script: Script, want_logprobs: bool
+    ) -> list[worker_pb2.DecodeResponse]:
+        n = request.sampling_params.n
+        tokens = script.choice_token_ids or [script.token_ids] * n
+        out = []
+        for step in range(max(len(t) for t in tokens)):
+            for index in range(n):
+                if step < len(tokens[index]):
+                    last = step == len(tokens[index]) - 1
+                    msg = cls._response(
+                        request, script, [tokens[index][step]], want_logprobs, last, step == 0
+                    )
+                    msg.index = index
+                    if last:
+                        msg.usage.completion_tokens = len(tokens[index])
+                    out.append(msg)
+        return out
 
     @staticmethod
     async def _relay_prefill(address: str, timeout: float | None) -> None:
@@ -132,6 +160,12 @@ class FakeDecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
         msg = worker_pb2.DecodeResponse(token_ids=chunk)
         if first and script.timings is not None:
             msg.timings.CopyFrom(script.timings)
+        if first and request.sampling_params.HasField("prompt_logprobs"):
+            # Prompt token j + 1 gets -(j + 1) / 8: distinct, and exact in binary.
+            msg.prompt_logprobs.extend(
+                common_pb2.TokenLogprob(token_id=t, logprob=-(j + 1) / 8, rank=1)
+                for j, t in enumerate(request.prompt_token_ids[1:])
+            )
         if want_logprobs:
             msg.logprobs.extend(
                 common_pb2.TokenLogprob(token_id=t, logprob=-0.5, rank=1) for t in chunk

@@ -169,7 +169,7 @@ async def test_a_refused_request_is_an_error_span(served_smollm2: ServedModel) -
         running_http(served_smollm2, d, tracer_provider=provider) as gw,
     ):
         status, _, _ = await post(
-            gw.port, "/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2}
+            gw.port, "/v1/completions", {"model": MODEL, "prompt": "hi", "best_of": 2}
         )
         assert status == 400
         await eventually(lambda: len(exporter.get_finished_spans()) == 2)

@@ -87,6 +87,9 @@ def _order() -> PrefillOrder:
         output_offset=4,  # a request that moved: its prompt ends with 4 earlier outputs
         # A peer that swapped the constraint would have decode mask by another grammar.
         constraint=Constraint(ConstraintKind.CHOICE, choices=("yes", "no")),
+        logit_bias=((5, -100.0), (9, 2.5)),
+        prompt_logprobs=2,
+        n=2,
     )
     desc = KVDescriptor(endpoint, "r1", (3, 4, 5), epoch=77, lease_token=LEASE)
     order = PrefillOrder("r1", tuple(range(100, 140)), params, desc, timeout_s=12.5)
@@ -99,7 +102,7 @@ def _messages() -> list[HandoffMessage]:
     timings = RequestTimings(*(0.125 * (i + 1) for i in range(7)))
     messages: list[HandoffMessage] = [
         Progress(Phase.PREFILLING, 17),
-        FirstToken(7, logprob, 16, "sender-1"),
+        FirstToken(7, logprob, 16, "sender-1", prompt_logprobs=(logprob, logprob)),
         TransferDone(123, 77, 4096, timings=timings),
         Ack(False, "checksum mismatch"),
     ]
@@ -159,6 +162,11 @@ def _other_values(value: Any, optional: bool) -> list[Any]:
         others = [value + "x", ""]
     elif isinstance(value, bytes):
         others = [value + b"x", b""]
+    elif dataclasses.is_dataclass(value):  # a record inside a sequence: alter its first field
+        name = dataclasses.fields(value)[0].name
+        others = [
+            dataclasses.replace(value, **{name: _other_values(getattr(value, name), False)[0]})
+        ]
     elif isinstance(value, list | tuple):
         assert value, "give every sequence an item, so its items can be altered"
         first = _other_values(value[0], False)[0]
@@ -269,7 +277,7 @@ def _wire_paths(msg: Message, path: tuple[str | int, ...]) -> Iterator[tuple[str
     for field in msg.DESCRIPTOR.fields:
         here = (*path, field.name)
         yield here
-        if field.message_type is None:
+        if field.message_type is None or _is_map(field):
             continue
         if field.is_repeated:
             items = getattr(msg, field.name)
@@ -295,6 +303,13 @@ def _wire_changes(root: Message, path: tuple[str | int, ...]) -> list[Callable[[
     def do(change: Callable[[Message], None]) -> None:
         changes.append(lambda msg: change(parent(msg)))
 
+    if _is_map(field):  # scalar values (logit_bias): drop a key, add one, change a value
+        assert len(value), f"give {'.'.join(map(str, path))} an entry"
+        key = min(value)
+        do(lambda m: getattr(m, name).pop(key))
+        do(lambda m: getattr(m, name).__setitem__(max(value) + 1, value[key]))
+        do(lambda m: getattr(m, name).__setitem__(key, value[key] + 0.25))
+        return changes
     if field.is_repeated:
         assert len(value), f"give {'.'.join(map(str, path))} an item"
         do(lambda m: getattr(m, name).pop())
@@ -311,6 +326,10 @@ def _wire_changes(root: Message, path: tuple[str | int, ...]) -> list[Callable[[
         for other in _other_scalars(field, value):
             do(functools.partial(_set, name=name, value=other))
     return changes
+
+
+def _is_map(field: FieldDescriptor) -> bool:
+    return field.message_type is not None and field.message_type.GetOptions().map_entry
 
 
 def _set(msg: Message, *, name: str, value: Any) -> None:

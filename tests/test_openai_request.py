@@ -49,13 +49,18 @@ TOOL = {
 
 # (id, endpoint, body, the param the 400 must name)
 REFUSED: list[tuple[str, Endpoint, dict[str, Any], str]] = [
-    ("n", COMPLETIONS, completion(n=2), "n"),
-    ("chat-n", CHAT, chat(n=3), "n"),
+    ("n-zero", COMPLETIONS, completion(n=0), "n"),
+    ("chat-n-too-many", CHAT, chat(n=17), "n"),
+    ("n-type", COMPLETIONS, completion(n=2.5), "n"),
     ("best-of", COMPLETIONS, completion(best_of=2), "best_of"),
-    ("echo", COMPLETIONS, completion(echo=True), "echo"),
+    ("echo-chat", CHAT, chat(echo=True), "echo"),
+    ("echo-type", COMPLETIONS, completion(echo="yes"), "echo"),
     ("suffix", COMPLETIONS, completion(suffix="end"), "suffix"),
-    ("logit-bias", COMPLETIONS, completion(logit_bias={"5": 10}), "logit_bias"),
-    ("chat-logit-bias", CHAT, chat(logit_bias={"5": -100}), "logit_bias"),
+    ("logit-bias-range", COMPLETIONS, completion(logit_bias={"5": 100.5}), "logit_bias"),
+    ("chat-logit-bias-vocab", CHAT, chat(logit_bias={"4000000000": -100}), "logit_bias"),
+    ("logit-bias-key", COMPLETIONS, completion(logit_bias={"x5": 1}), "logit_bias"),
+    ("logit-bias-type", CHAT, chat(logit_bias=[5, -100]), "logit_bias"),
+    ("logit-bias-value", COMPLETIONS, completion(logit_bias={"5": "ban"}), "logit_bias"),
     (
         "tool-name",
         CHAT,

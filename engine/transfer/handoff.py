@@ -92,6 +92,8 @@ class FirstToken:
     sender_incarnation: str  # the prefill worker's KV sender, for decode's peer state
     # ``message_tag`` under the fleet's secret; empty when the fleet has none.
     mac: bytes = b""
+    # One per prompt token after the first, when the request asked for prompt logprobs.
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

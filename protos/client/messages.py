@@ -37,12 +37,19 @@ class SamplingParams:
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    # token id -> bias added to its logit, in [-100, 100]; at most 300 entries.
+    logit_bias: Mapping[int, float] | None = None
+    # Alternatives per prompt token; None: no prompt logprobs (Chunk.prompt_logprobs).
+    prompt_logprobs: int | None = None
+    n: int | None = None  # choices from the one prompt; chunks carry their ``index``
 
     def to_proto(self) -> common_pb2.SamplingParameters:
-        msg = common_pb2.SamplingParameters(stop_token_ids=self.stop_token_ids)
+        msg = common_pb2.SamplingParameters(
+            stop_token_ids=self.stop_token_ids, logit_bias=dict(self.logit_bias or {})
+        )
         for field in fields(self):
             value = getattr(self, field.name)
-            if field.name != "stop_token_ids" and value is not None:
+            if field.name not in ("stop_token_ids", "logit_bias") and value is not None:
                 setattr(msg, field.name, value)
         return msg
 
@@ -95,6 +102,11 @@ class Chunk:
     only; ``timings`` maps each phase the server knows (``queued_s``, ``reserved_s``,
     ``prefill_s``, ``transfer_s``, ``first_token_s``, ``decode_s``, ``total_s``) to its
     seconds.
+
+    With ``n`` > 1, ``index`` names the choice; each choice's last chunk has its
+    ``finish_reason``, and ``usage`` and ``timings`` come on the stream's last chunk.
+    ``prompt_logprobs`` (asked for with ``SamplingParams.prompt_logprobs``) come on the
+    first chunk: one per prompt token after the first.
     """
 
     request_id: str
@@ -104,6 +116,8 @@ class Chunk:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     timings: dict[str, float] | None = None
+    index: int = 0
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
     @classmethod
     def from_proto(cls, msg: generate_pb2.GenerateResponse) -> Chunk:
@@ -111,15 +125,9 @@ class Chunk:
             request_id=msg.request_id,
             text=msg.text,
             token_ids=tuple(msg.token_ids),
-            logprobs=tuple(
-                TokenLogprob(
-                    token_id=lp.token_id,
-                    logprob=lp.logprob,
-                    rank=lp.rank,
-                    top=tuple((t.token_id, t.logprob) for t in lp.top),
-                )
-                for lp in msg.logprobs
-            ),
+            logprobs=tuple(_logprob(lp) for lp in msg.logprobs),
+            index=msg.index,
+            prompt_logprobs=tuple(_logprob(lp) for lp in msg.prompt_logprobs),
             finish_reason=_FINISH_REASONS.get(msg.finish_reason),
             usage=(
                 Usage(
@@ -137,6 +145,15 @@ class Chunk:
                 else None
             ),
         )
+
+
+def _logprob(lp: common_pb2.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(
+        token_id=lp.token_id,
+        logprob=lp.logprob,
+        rank=lp.rank,
+        top=tuple((t.token_id, t.logprob) for t in lp.top),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +174,8 @@ class Completion:
         chunks = list(chunks)
         if not chunks or chunks[-1].finish_reason is None or chunks[-1].usage is None:
             raise ValueError("the stream ended without a finish reason and usage")
+        if any(c.index for c in chunks):
+            raise ValueError("a stream of n > 1 choices: read its chunks by their index")
         return cls(
             request_id=chunks[-1].request_id,
             text="".join(c.text for c in chunks),

@@ -26,7 +26,7 @@ from protos.baton.v1 import common_pb2 as baton_dot_v1_dot_common__pb2
 from protos.baton.v1 import kv_pb2 as baton_dot_v1_dot_kv__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x62\x61ton/v1/worker.proto\x12\x08\x62\x61ton.v1\x1a\x15\x62\x61ton/v1/common.proto\x1a\x11\x62\x61ton/v1/kv.proto\"\xd2\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x35\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1c.baton.v1.SamplingParameters\x12\"\n\x02kv\x18\x04 \x01(\x0b\x32\x16.baton.v1.KVDescriptor\x12\x11\n\tfleet_mac\x18\x05 \x01(\x0c\x12\x16\n\ttimeout_s\x18\x06 \x01(\x01H\x00\x88\x01\x01\x42\x0c\n\n_timeout_s\"P\n\x0bTransferAck\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x11\n\tfleet_mac\x18\x04 \x01(\x0c\"t\n\x14PrefillClientMessage\x12+\n\x07request\x18\x01 \x01(\x0b\x32\x18.baton.v1.PrefillRequestH\x00\x12$\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x15.baton.v1.TransferAckH\x00\x42\t\n\x07message\"\xc3\x01\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\'\n\x07logprob\x18\x02 \x01(\x0b\x32\x16.baton.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12-\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12\x1d\n\x15sender_incarnation_id\x18\x05 \x01(\t\x12\x11\n\tfleet_mac\x18\x06 \x01(\x0c\"h\n\x0fPrefillProgress\x12%\n\x05phase\x18\x01 \x01(\x0e\x32\x16.baton.v1.PrefillPhase\x12\x1b\n\x13num_computed_tokens\x18\x02 \x01(\r\x12\x11\n\tfleet_mac\x18\x03 \x01(\x0c\"\x98\x01\n\x10TransferComplete\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08\x63hecksum\x18\x02 \x01(\x04\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x11\n\tnum_bytes\x18\x04 \x01(\x04\x12\x11\n\tfleet_mac\x18\x05 \x01(\x0c\x12)\n\x07timings\x18\x06 \x01(\x0b\x32\x18.baton.v1.RequestTimings\"\xb6\x01\n\x14PrefillServerMessage\x12+\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x14.baton.v1.FirstTokenH\x00\x12\x37\n\x11transfer_complete\x18\x02 \x01(\x0b\x32\x1a.baton.v1.TransferCompleteH\x00\x12-\n\x08progress\x18\x03 \x01(\x0b\x32\x19.baton.v1.PrefillProgressH\x00\x42\t\n\x07message\"\x8d\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x35\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1c.baton.v1.SamplingParameters\x12\x17\n\x0fprefill_address\x18\x04 \x01(\t\"\xc7\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12(\n\x08logprobs\x18\x02 \x03(\x0b\x32\x16.baton.v1.TokenLogprob\x12-\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12\x1e\n\x05usage\x18\x04 \x01(\x0b\x32\x0f.baton.v1.Usage\x12)\n\x07timings\x18\x05 \x01(\x0b\x32\x18.baton.v1.RequestTimings\"\x0e\n\x0cStatsRequest\"\x11\n\x0fKVEventsRequest\"b\n\x0cKVEventBatch\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x10\n\x08snapshot\x18\x02 \x01(\x08\x12\x0e\n\x06stored\x18\x03 \x03(\x03\x12\x0f\n\x07removed\x18\x04 \x03(\x03\x12\x12\n\nblock_size\x18\x05 \x01(\r\"\x87\x04\n\x0bWorkerStats\x12\"\n\x04role\x18\x01 \x01(\x0e\x32\x14.baton.v1.WorkerRole\x12\x16\n\x0eincarnation_id\x18\x02 \x01(\t\x12\x17\n\x0ftotal_kv_blocks\x18\x03 \x01(\r\x12\x16\n\x0e\x66ree_kv_blocks\x18\x04 \x01(\r\x12\x13\n\x0bnum_running\x18\x05 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\r\x12\x1a\n\x12num_waiting_for_kv\x18\x07 \x01(\r\x12\x1c\n\x14queued_prompt_tokens\x18\x08 \x01(\x04\x12\x15\n\rbusy_fraction\x18\t \x01(\x01\x12\x1f\n\x17prefix_cache_hit_tokens\x18\n \x01(\x04\x12\x16\n\x0eheld_kv_blocks\x18\x0b \x01(\r\x12%\n\tkv_layout\x18\x0c \x01(\x0b\x32\x12.baton.v1.KVLayout\x12\x14\n\x0cmax_num_seqs\x18\r \x01(\r\x12\x1b\n\x13max_queued_requests\x18\x0e \x01(\r\x12\x45\n\x11\x63pu_kernel_routes\x18\x0f \x03(\x0b\x32*.baton.v1.WorkerStats.CpuKernelRoutesEntry\x1a\x36\n\x14\x43puKernelRoutesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*\x85\x01\n\x0cPrefillPhase\x12\x1d\n\x19PREFILL_PHASE_UNSPECIFIED\x10\x00\x12\x18\n\x14PREFILL_PHASE_QUEUED\x10\x01\x12\x1c\n\x18PREFILL_PHASE_PREFILLING\x10\x02\x12\x1e\n\x1aPREFILL_PHASE_TRANSFERRING\x10\x03*p\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x14\n\x10WORKER_ROLE_BOTH\x10\x03\x32\xd7\x01\n\rPrefillWorker\x12M\n\x07Prefill\x12\x1e.baton.v1.PrefillClientMessage\x1a\x1e.baton.v1.PrefillServerMessage(\x01\x30\x01\x12\x36\n\x05Stats\x12\x16.baton.v1.StatsRequest\x1a\x15.baton.v1.WorkerStats\x12?\n\x08KVEvents\x12\x19.baton.v1.KVEventsRequest\x1a\x16.baton.v1.KVEventBatch0\x01\x32\xc6\x01\n\x0c\x44\x65\x63odeWorker\x12=\n\x06\x44\x65\x63ode\x12\x17.baton.v1.DecodeRequest\x1a\x18.baton.v1.DecodeResponse0\x01\x12\x36\n\x05Stats\x12\x16.baton.v1.StatsRequest\x1a\x15.baton.v1.WorkerStats\x12?\n\x08KVEvents\x12\x19.baton.v1.KVEventsRequest\x1a\x16.baton.v1.KVEventBatch0\x01\x42\x64\n\x0c\x63om.baton.v1B\x0bWorkerProtoP\x01Z\x1d\x62\x61ton/gen/go/baton/v1;batonv1\xa2\x02\x03\x42XX\xaa\x02\x08\x42\x61ton.V1\xca\x02\x08\x42\x61ton\\V1\xea\x02\tBaton::V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x62\x61ton/v1/worker.proto\x12\x08\x62\x61ton.v1\x1a\x15\x62\x61ton/v1/common.proto\x1a\x11\x62\x61ton/v1/kv.proto\"\xd2\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x35\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1c.baton.v1.SamplingParameters\x12\"\n\x02kv\x18\x04 \x01(\x0b\x32\x16.baton.v1.KVDescriptor\x12\x11\n\tfleet_mac\x18\x05 \x01(\x0c\x12\x16\n\ttimeout_s\x18\x06 \x01(\x01H\x00\x88\x01\x01\x42\x0c\n\n_timeout_s\"P\n\x0bTransferAck\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x11\n\tfleet_mac\x18\x04 \x01(\x0c\"t\n\x14PrefillClientMessage\x12+\n\x07request\x18\x01 \x01(\x0b\x32\x18.baton.v1.PrefillRequestH\x00\x12$\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x15.baton.v1.TransferAckH\x00\x42\t\n\x07message\"\xf4\x01\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\'\n\x07logprob\x18\x02 \x01(\x0b\x32\x16.baton.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12-\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12\x1d\n\x15sender_incarnation_id\x18\x05 \x01(\t\x12\x11\n\tfleet_mac\x18\x06 \x01(\x0c\x12/\n\x0fprompt_logprobs\x18\x1e \x03(\x0b\x32\x16.baton.v1.TokenLogprob\"h\n\x0fPrefillProgress\x12%\n\x05phase\x18\x01 \x01(\x0e\x32\x16.baton.v1.PrefillPhase\x12\x1b\n\x13num_computed_tokens\x18\x02 \x01(\r\x12\x11\n\tfleet_mac\x18\x03 \x01(\x0c\"\x98\x01\n\x10TransferComplete\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08\x63hecksum\x18\x02 \x01(\x04\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x11\n\tnum_bytes\x18\x04 \x01(\x04\x12\x11\n\tfleet_mac\x18\x05 \x01(\x0c\x12)\n\x07timings\x18\x06 \x01(\x0b\x32\x18.baton.v1.RequestTimings\"\xb6\x01\n\x14PrefillServerMessage\x12+\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x14.baton.v1.FirstTokenH\x00\x12\x37\n\x11transfer_complete\x18\x02 \x01(\x0b\x32\x1a.baton.v1.TransferCompleteH\x00\x12-\n\x08progress\x18\x03 \x01(\x0b\x32\x19.baton.v1.PrefillProgressH\x00\x42\t\n\x07message\"\x8d\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x35\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1c.baton.v1.SamplingParameters\x12\x17\n\x0fprefill_address\x18\x04 \x01(\t\"\x87\x02\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12(\n\x08logprobs\x18\x02 \x03(\x0b\x32\x16.baton.v1.TokenLogprob\x12-\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12\x1e\n\x05usage\x18\x04 \x01(\x0b\x32\x0f.baton.v1.Usage\x12)\n\x07timings\x18\x05 \x01(\x0b\x32\x18.baton.v1.RequestTimings\x12/\n\x0fprompt_logprobs\x18\x1e \x03(\x0b\x32\x16.baton.v1.TokenLogprob\x12\r\n\x05index\x18\x1f \x01(\r\"\x0e\n\x0cStatsRequest\"\x11\n\x0fKVEventsRequest\"b\n\x0cKVEventBatch\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x10\n\x08snapshot\x18\x02 \x01(\x08\x12\x0e\n\x06stored\x18\x03 \x03(\x03\x12\x0f\n\x07removed\x18\x04 \x03(\x03\x12\x12\n\nblock_size\x18\x05 \x01(\r\"\x87\x04\n\x0bWorkerStats\x12\"\n\x04role\x18\x01 \x01(\x0e\x32\x14.baton.v1.WorkerRole\x12\x16\n\x0eincarnation_id\x18\x02 \x01(\t\x12\x17\n\x0ftotal_kv_blocks\x18\x03 \x01(\r\x12\x16\n\x0e\x66ree_kv_blocks\x18\x04 \x01(\r\x12\x13\n\x0bnum_running\x18\x05 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\r\x12\x1a\n\x12num_waiting_for_kv\x18\x07 \x01(\r\x12\x1c\n\x14queued_prompt_tokens\x18\x08 \x01(\x04\x12\x15\n\rbusy_fraction\x18\t \x01(\x01\x12\x1f\n\x17prefix_cache_hit_tokens\x18\n \x01(\x04\x12\x16\n\x0eheld_kv_blocks\x18\x0b \x01(\r\x12%\n\tkv_layout\x18\x0c \x01(\x0b\x32\x12.baton.v1.KVLayout\x12\x14\n\x0cmax_num_seqs\x18\r \x01(\r\x12\x1b\n\x13max_queued_requests\x18\x0e \x01(\r\x12\x45\n\x11\x63pu_kernel_routes\x18\x0f \x03(\x0b\x32*.baton.v1.WorkerStats.CpuKernelRoutesEntry\x1a\x36\n\x14\x43puKernelRoutesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*\x85\x01\n\x0cPrefillPhase\x12\x1d\n\x19PREFILL_PHASE_UNSPECIFIED\x10\x00\x12\x18\n\x14PREFILL_PHASE_QUEUED\x10\x01\x12\x1c\n\x18PREFILL_PHASE_PREFILLING\x10\x02\x12\x1e\n\x1aPREFILL_PHASE_TRANSFERRING\x10\x03*p\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x14\n\x10WORKER_ROLE_BOTH\x10\x03\x32\xd7\x01\n\rPrefillWorker\x12M\n\x07Prefill\x12\x1e.baton.v1.PrefillClientMessage\x1a\x1e.baton.v1.PrefillServerMessage(\x01\x30\x01\x12\x36\n\x05Stats\x12\x16.baton.v1.StatsRequest\x1a\x15.baton.v1.WorkerStats\x12?\n\x08KVEvents\x12\x19.baton.v1.KVEventsRequest\x1a\x16.baton.v1.KVEventBatch0\x01\x32\xc6\x01\n\x0c\x44\x65\x63odeWorker\x12=\n\x06\x44\x65\x63ode\x12\x17.baton.v1.DecodeRequest\x1a\x18.baton.v1.DecodeResponse0\x01\x12\x36\n\x05Stats\x12\x16.baton.v1.StatsRequest\x1a\x15.baton.v1.WorkerStats\x12?\n\x08KVEvents\x12\x19.baton.v1.KVEventsRequest\x1a\x16.baton.v1.KVEventBatch0\x01\x42\x64\n\x0c\x63om.baton.v1B\x0bWorkerProtoP\x01Z\x1d\x62\x61ton/gen/go/baton/v1;batonv1\xa2\x02\x03\x42XX\xaa\x02\x08\x42\x61ton.V1\xca\x02\x08\x42\x61ton\\V1\xea\x02\tBaton::V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,10 +36,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._serialized_options = b'\n\014com.baton.v1B\013WorkerProtoP\001Z\035baton/gen/go/baton/v1;batonv1\242\002\003BXX\252\002\010Baton.V1\312\002\010Baton\\V1\352\002\tBaton::V1'
   _globals['_WORKERSTATS_CPUKERNELROUTESENTRY']._loaded_options = None
   _globals['_WORKERSTATS_CPUKERNELROUTESENTRY']._serialized_options = b'8\001'
-  _globals['_PREFILLPHASE']._serialized_start=2138
-  _globals['_PREFILLPHASE']._serialized_end=2271
-  _globals['_WORKERROLE']._serialized_start=2273
-  _globals['_WORKERROLE']._serialized_end=2385
+  _globals['_PREFILLPHASE']._serialized_start=2251
+  _globals['_PREFILLPHASE']._serialized_end=2384
+  _globals['_WORKERROLE']._serialized_start=2386
+  _globals['_WORKERROLE']._serialized_end=2498
   _globals['_PREFILLREQUEST']._serialized_start=78
   _globals['_PREFILLREQUEST']._serialized_end=288
   _globals['_TRANSFERACK']._serialized_start=290
@@ -47,29 +47,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLCLIENTMESSAGE']._serialized_start=372
   _globals['_PREFILLCLIENTMESSAGE']._serialized_end=488
   _globals['_FIRSTTOKEN']._serialized_start=491
-  _globals['_FIRSTTOKEN']._serialized_end=686
-  _globals['_PREFILLPROGRESS']._serialized_start=688
-  _globals['_PREFILLPROGRESS']._serialized_end=792
-  _globals['_TRANSFERCOMPLETE']._serialized_start=795
-  _globals['_TRANSFERCOMPLETE']._serialized_end=947
-  _globals['_PREFILLSERVERMESSAGE']._serialized_start=950
-  _globals['_PREFILLSERVERMESSAGE']._serialized_end=1132
-  _globals['_DECODEREQUEST']._serialized_start=1135
-  _globals['_DECODEREQUEST']._serialized_end=1276
-  _globals['_DECODERESPONSE']._serialized_start=1279
-  _globals['_DECODERESPONSE']._serialized_end=1478
-  _globals['_STATSREQUEST']._serialized_start=1480
-  _globals['_STATSREQUEST']._serialized_end=1494
-  _globals['_KVEVENTSREQUEST']._serialized_start=1496
-  _globals['_KVEVENTSREQUEST']._serialized_end=1513
-  _globals['_KVEVENTBATCH']._serialized_start=1515
-  _globals['_KVEVENTBATCH']._serialized_end=1613
-  _globals['_WORKERSTATS']._serialized_start=1616
-  _globals['_WORKERSTATS']._serialized_end=2135
-  _globals['_WORKERSTATS_CPUKERNELROUTESENTRY']._serialized_start=2081
-  _globals['_WORKERSTATS_CPUKERNELROUTESENTRY']._serialized_end=2135
-  _globals['_PREFILLWORKER']._serialized_start=2388
-  _globals['_PREFILLWORKER']._serialized_end=2603
-  _globals['_DECODEWORKER']._serialized_start=2606
-  _globals['_DECODEWORKER']._serialized_end=2804
+  _globals['_FIRSTTOKEN']._serialized_end=735
+  _globals['_PREFILLPROGRESS']._serialized_start=737
+  _globals['_PREFILLPROGRESS']._serialized_end=841
+  _globals['_TRANSFERCOMPLETE']._serialized_start=844
+  _globals['_TRANSFERCOMPLETE']._serialized_end=996
+  _globals['_PREFILLSERVERMESSAGE']._serialized_start=999
+  _globals['_PREFILLSERVERMESSAGE']._serialized_end=1181
+  _globals['_DECODEREQUEST']._serialized_start=1184
+  _globals['_DECODEREQUEST']._serialized_end=1325
+  _globals['_DECODERESPONSE']._serialized_start=1328
+  _globals['_DECODERESPONSE']._serialized_end=1591
+  _globals['_STATSREQUEST']._serialized_start=1593
+  _globals['_STATSREQUEST']._serialized_end=1607
+  _globals['_KVEVENTSREQUEST']._serialized_start=1609
+  _globals['_KVEVENTSREQUEST']._serialized_end=1626
+  _globals['_KVEVENTBATCH']._serialized_start=1628
+  _globals['_KVEVENTBATCH']._serialized_end=1726
+  _globals['_WORKERSTATS']._serialized_start=1729
+  _globals['_WORKERSTATS']._serialized_end=2248
+  _globals['_WORKERSTATS_CPUKERNELROUTESENTRY']._serialized_start=2194
+  _globals['_WORKERSTATS_CPUKERNELROUTESENTRY']._serialized_end=2248
+  _globals['_PREFILLWORKER']._serialized_start=2501
+  _globals['_PREFILLWORKER']._serialized_end=2716
+  _globals['_DECODEWORKER']._serialized_start=2719
+  _globals['_DECODEWORKER']._serialized_end=2917
 # @@protoc_insertion_point(module_scope)
