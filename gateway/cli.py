@@ -42,7 +42,9 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
         "bits whatever else is in the batch, however its prompt is chunked, and whether "
         "prefill and decode run in one process or two (CPU; see README, Numerics)",
     )
-    p.add_argument("--transport", default="shm", choices=("shm", "gloo", "cuda_ipc", "nccl", "nixl"))
+    p.add_argument(
+        "--transport", default="shm", choices=("shm", "gloo", "cuda_ipc", "nccl", "nixl")
+    )
     p.add_argument("--prefill-workers", type=int, default=1, help="prefill worker processes")
     p.add_argument(
         "--decode-workers", type=int, default=1, help="decode (or single-process) workers"
