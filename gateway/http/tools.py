@@ -10,7 +10,7 @@ one per line, and a ``tool`` message as a ``tool`` turn.
 
 ``tool_choice``:
 - ``none``: the tools are not shown and no call is parsed;
-- ``auto`` (the default with tools): free generation; ``gateway.tool_calls`` parses the
+- ``auto`` (the default with tools): free generation; ``gateway.http.tool_calls`` parses the
   output as calls when it is one (else it is the message's content);
 - ``required``: generated under a JSON schema for a non-empty array of calls, each an
   object naming one of the tools with arguments valid under that tool's parameters;
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.constraint import Constraint
-from gateway.openai_constraint import schema_constraint
+from gateway.http.constraint import schema_constraint
 from gateway.validation import FieldError
 
 MAX_TOOLS = 128

@@ -11,7 +11,7 @@ honour (``best_of > 1``, ``suffix``, ...) is refused, and so is a field OpenAI d
 define (beyond vLLM's sampling and structured-output extras, which baton supports). A
 field set to ``null``, or to the value that means "off" (``best_of: 1``, ``tools: []``),
 is accepted. ``response_format`` and vLLM's constraint fields become one ``Constraint``
-(gateway.openai_constraint).
+(gateway.http.constraint).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
-from gateway.openai_constraint import CONSTRAINT_FIELDS, request_constraint
-from gateway.openai_tools import (
+from gateway.http.constraint import CONSTRAINT_FIELDS, request_constraint
+from gateway.http.tools import (
     ToolPlan,
     assistant_calls_text,
     parse_tools,
@@ -127,7 +127,7 @@ _MESSAGE_ROLES = {
     "assistant": "assistant",
     "tool": "tool",
 }
-# Message keys beyond role and content, by role (tool calling: gateway.openai_tools).
+# Message keys beyond role and content, by role (tool calling: gateway.http.tools).
 _MESSAGE_KEYS = {"assistant": ("tool_calls",), "tool": ("tool_call_id", "name")}
 
 
