@@ -15,7 +15,7 @@ applies the very same rules under its own field names: gateway.grpc_api.request 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -209,3 +209,12 @@ def check_token_ids(ids: Sequence[int], card: ModelCard, field: str) -> tuple[in
                 f"{field}[{i}] is {token!r}, outside the vocabulary [0, {card.vocab_size})",
             )
     return ids
+
+
+def json_kind(value: object) -> str:
+    """What a decoded JSON value is, for a message naming a field of the wrong type."""
+    if isinstance(value, Mapping):
+        return "an object"
+    if isinstance(value, list):
+        return "a list"
+    return "a string" if isinstance(value, str) else repr(value)

@@ -44,6 +44,7 @@ from gateway.validation import (
     check_token_ids,
     max_prompt_chars,
 )
+from gateway.validation import json_kind as _kind
 
 # OpenAI's default for /v1/completions; chat has none (the context limit).
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -431,11 +432,3 @@ def _why_off(name: str) -> str:
         "modalities": "only text output is supported",
         "store": "completions are not stored",
     }[name]
-
-
-def _kind(value: object) -> str:
-    if isinstance(value, Mapping):
-        return "an object"
-    if isinstance(value, list):
-        return "a list"
-    return "a string" if isinstance(value, str) else repr(value)

@@ -30,6 +30,7 @@ from typing import Any
 from engine.constraint import Constraint
 from gateway.http.constraint import schema_constraint
 from gateway.validation import FieldError
+from gateway.validation import json_kind as _kind
 
 MAX_TOOLS = 128
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -211,11 +212,3 @@ def with_tools_prompt(
     else:
         turns.insert(0, ("system", plan.system_text()))
     return turns
-
-
-def _kind(value: object) -> str:
-    if isinstance(value, Mapping):
-        return "an object"
-    if isinstance(value, list):
-        return "a list"
-    return "a string" if isinstance(value, str) else repr(value)
