@@ -28,7 +28,7 @@ class SamplingParams:
     filters. ``seed`` makes a sampled request reproducible regardless of batch company.
 
     ``output_offset`` is set only on a request that moved between decode workers
-    (``gateway.migration``): its prompt ends with the ``output_offset`` tokens it had
+    (``gateway.routing.migration``): its prompt ends with the ``output_offset`` tokens it had
     already produced, and ``max_tokens``/``min_tokens`` are what was left of them. Seeded
     draws, the output-only penalties and the ``constraint``'s state count from the original
     output's start, so the moved request samples as it would have where it was.

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from gateway.app import Gateway
 from gateway.config import GatewayConfig
-from gateway.discovery import Resolver, file_resolver, system_resolver
+from gateway.routing.discovery import Resolver, file_resolver, system_resolver
 from rpc.metrics import metrics_endpoint, new_registry
 from rpc.server import serve
 from rpc.tracing import build_tracer_provider

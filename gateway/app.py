@@ -22,22 +22,22 @@ from opentelemetry import trace
 from prometheus_client import CollectorRegistry
 
 from gateway.config import GatewayConfig
-from gateway.discovery import Resolver, system_resolver
-from gateway.dispatcher import Dispatcher
 from gateway.generation import Generation
-from gateway.http_api import build_app
-from gateway.http_server import HttpServer
-from gateway.kv_feed import KVFeed
-from gateway.kv_index import KVIndex
+from gateway.grpc_api.servicer import BatonServicer
+from gateway.http.api import build_app
+from gateway.http.server import HttpServer
 from gateway.metrics import (
     GatewayMetrics,
     KernelRoutesCollector,
     RoutingCollector,
     WorkersCollector,
 )
-from gateway.router import Router
+from gateway.routing.discovery import Resolver, system_resolver
+from gateway.routing.dispatcher import Dispatcher
+from gateway.routing.kv_feed import KVFeed
+from gateway.routing.kv_index import KVIndex
+from gateway.routing.router import Router
 from gateway.served_model import ServedModel, locate_model
-from gateway.servicer import BatonServicer
 from protos.baton.v1 import generate_pb2, generate_pb2_grpc
 from rpc.auth import ApiKeyInterceptor, ApiKeys
 from rpc.channels import CHANNEL_OPTIONS, ChannelCache, public_message_bytes, server_options

@@ -3,7 +3,7 @@
 Every flag has an environment twin (``--max-retries`` <-> ``BATON_GATEWAY_MAX_RETRIES``);
 a flag given on the command line wins. Lists (``--decode``, ``--prefill``) repeat the flag
 or, in the environment, separate targets with commas. A target is ``HOST:PORT`` or
-``dns:///NAME:PORT`` (every address NAME resolves to; see gateway.discovery).
+``dns:///NAME:PORT`` (every address NAME resolves to; see gateway.routing.discovery).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gateway.discovery import parse_target
+from gateway.routing.discovery import parse_target
 from rpc.tls import TlsFiles
 
 ENV_PREFIX = "BATON_GATEWAY_"
@@ -37,7 +37,7 @@ class GatewayConfig:
     port: int = 50051  # 0: any free port
     port_file: Path | None = None  # the bound port is written here
     max_retries: int = 2  # extra attempts for a request that failed before its first token
-    # Moves of a request to another decode worker after its first token (gateway.migration).
+    # Moves of a request to another decode worker after its first token (gateway.routing.migration).
     max_migrations: int = 3
     grace_s: float = 30.0  # drain time for in-flight requests on SIGTERM
     stats_interval_s: float = 0.25  # how often every worker's Stats is polled
@@ -67,7 +67,7 @@ class GatewayConfig:
     local_prefill_cached_fraction: float = 1.0
     metrics_port: int = 0  # Prometheus metrics over HTTP on this port; 0: off
     log_level: str = "INFO"
-    # --- OpenAI-compatible HTTP and traces (gateway.http_server, rpc.tracing) ---
+    # --- OpenAI-compatible HTTP and traces (gateway.http.server, rpc.tracing) ---
     http_port: int | None = None  # None: no HTTP; 0: any free port
     http_port_file: Path | None = None  # the bound HTTP port is written here
     http_request_timeout_s: float = 0.0  # deadline of an HTTP request without a header; 0: none

@@ -8,7 +8,7 @@ resulting :class:`GenerateDelta` s back onto its wire format.
 
 Errors are raised as typed exceptions (ValueError / FieldError, ResourceExhaustedError,
 UnavailableError, DeadlineExceededError, ...); each front end maps them in one place
-(rpc.errors for gRPC, gateway.http_errors for HTTP). Closing the delta stream early (a
+(rpc.errors for gRPC, gateway.http.errors for HTTP). Closing the delta stream early (a
 stop string, a client that went away, a passed deadline) closes the dispatch stream,
 which cancels the ``Decode`` call downstream and frees the request's blocks everywhere.
 
@@ -44,12 +44,12 @@ from opentelemetry.context import Context
 
 from engine.errors import DeadlineExceededError, ResourceExhaustedError
 from engine.request import RequestTimings
-from gateway.dispatcher import DecodeJob, Dispatcher
 from gateway.metrics import GatewayMetrics, RequestTrack
-from gateway.migration import BrokenStreamError, Move
-from gateway.output_processor import GenerateDelta, OutputProcessor
+from gateway.routing.dispatcher import DecodeJob, Dispatcher
+from gateway.routing.migration import BrokenStreamError, Move
 from gateway.served_model import ModelCard, ServedModel
-from gateway.tokenizer import Tokenizer
+from gateway.text.output_processor import GenerateDelta, OutputProcessor
+from gateway.text.tokenizer import Tokenizer
 from gateway.validation import FieldError, GenerateInput, check_prompt_length
 from rpc.tracing import REQUEST_ID, child_context, span
 

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gateway.migration import MoveReason
+from gateway.routing.migration import MoveReason
 from rpc.errors import status_for
 
 TTFT_BUCKETS = (

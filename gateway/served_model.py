@@ -28,7 +28,7 @@ from engine.model_files import (
     read_hf_config,
 )
 from engine.sampling_params import MAX_LOGPROBS
-from gateway.tokenizer import Tokenizer
+from gateway.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

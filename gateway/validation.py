@@ -1,32 +1,33 @@
-"""The gateway's edge check: a wire ``GenerateRequest`` in, a typed :class:`GenerateInput` out.
+"""The gateway's edge checks: the rules every request is held to, through either front end,
+and the typed :class:`GenerateInput` a validated request becomes.
 
 Everything a client controls is checked here, before any tokenizing or routing, counts
 and lengths before contents (nothing is copied out of an oversized list), and every
 failure is a :class:`FieldError` (a ``ValueError``) whose message starts with the field's
 path (``sampling_params.temperature``, ``stop[2]``, ``token_ids.ids[5]``,
-``chat.messages[1].role``), which the error interceptor returns as INVALID_ARGUMENT.
+``chat.messages[1].role``), which the error interceptor returns as INVALID_ARGUMENT and
+the HTTP front end as 400.
 
-The checks themselves (``check_*``) take plain values and the path to name, so the
-OpenAI-compatible HTTP front end (gateway.openai_request) applies the very same rules to
-its own field names.
+The checks (``check_*``) take plain values and the path to name, so each front end
+applies the very same rules under its own field names: gateway.grpc_api.request to a wire
+``GenerateRequest``, gateway.http.request to an OpenAI body.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine.constraint import Constraint
 from engine.grammar import check_constraint
 from engine.sampling_params import SamplingParams
-from protos.baton.v1 import generate_pb2
-from rpc.convert import sampling_params_from_proto
+from gateway.text.chat import ChatTurn
 
 if TYPE_CHECKING:
     from gateway.served_model import ModelCard
 
-# "tool": a tool's result, in reply to an assistant's tool call (gateway.openai_tools).
+# "tool": a tool's result, in reply to an assistant's tool call (gateway.http.tools).
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -46,14 +47,6 @@ class FieldError(ValueError):
 
 class PromptTooLongError(FieldError):
     """The prompt leaves no room for a generated token within max_model_len."""
-
-
-@dataclass(frozen=True, slots=True)
-class ChatTurn:
-    """One validated chat message."""
-
-    role: str
-    content: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,53 +74,6 @@ class GenerateInput:
         if self.chat is not None:
             return "chat"
         return "token_ids"
-
-
-def validate_generate_request(msg: generate_pb2.GenerateRequest, card: ModelCard) -> GenerateInput:
-    """Check ``msg`` against the served model; raises ValueError naming the bad field."""
-    request_id = (
-        check_request_id(msg.request_id, "request_id") if msg.HasField("request_id") else None
-    )
-    if msg.sampling_params.output_offset:
-        raise FieldError(
-            "sampling_params.output_offset",
-            "sampling_params.output_offset is set by the gateway when it moves a request "
-            "between decode workers; a Generate request must leave it unset",
-        )
-    try:
-        params = sampling_params_from_proto(msg.sampling_params)
-    except ValueError as exc:  # the message starts with sampling_params.<field>
-        raise FieldError(str(exc).split(" ", 1)[0].rstrip(":"), str(exc)) from exc
-    check_sampling_params(params, card, lambda name: f"sampling_params.{name}")
-    text: str | None = None
-    turns: tuple[ChatTurn, ...] | None = None
-    token_ids: tuple[int, ...] | None = None
-    kind = msg.WhichOneof("prompt")
-    max_chars = max_prompt_chars(card)
-    if kind == "text":
-        text = check_text(msg.text, max_chars, "text")
-    elif kind == "chat":
-        check_chat_template(card, "chat", "send text or token_ids")
-        check_count(len(msg.chat.messages), max_chars, "chat.messages")
-        turns = check_chat(
-            [(m.role, m.content) for m in msg.chat.messages], max_chars, "chat.messages"
-        )
-    elif kind == "token_ids":
-        token_ids = check_token_ids(msg.token_ids.ids, card, "token_ids.ids")
-    else:
-        raise FieldError("prompt", "prompt must be set: one of text, chat or token_ids")
-    return GenerateInput(
-        request_id=request_id,
-        params=params,
-        text=text,
-        chat=turns,
-        token_ids=token_ids,
-        stop=check_stop_strings(msg.stop, "stop"),
-        include_stop_str_in_output=msg.include_stop_str_in_output,
-        skip_special_tokens=(
-            msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True
-        ),
-    )
 
 
 def check_prompt_length(field: str, num_tokens: int, card: ModelCard) -> None:
@@ -263,3 +209,12 @@ def check_token_ids(ids: Sequence[int], card: ModelCard, field: str) -> tuple[in
                 f"{field}[{i}] is {token!r}, outside the vocabulary [0, {card.vocab_size})",
             )
     return ids
+
+
+def json_kind(value: object) -> str:
+    """What a decoded JSON value is, for a message naming a field of the wrong type."""
+    if isinstance(value, Mapping):
+        return "an object"
+    if isinstance(value, list):
+        return "a list"
+    return "a string" if isinstance(value, str) else repr(value)

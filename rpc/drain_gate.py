@@ -1,7 +1,7 @@
 """The open/closed state and in-flight count a server drains by.
 
 Owns what the gRPC gate (``rpc.server``) and the gateway's HTTP gate
-(``gateway.http_server``) share: a server admits work only while open, counts what it
+(``gateway.http.server``) share: a server admits work only while open, counts what it
 admitted, and on shutdown closes with a reason and waits, bounded, for the count to
 reach zero.
 """

@@ -39,7 +39,7 @@ taking the decode worker for full. Without the key, the worker that answered ran
 ABORTED also says when it means "this worker is draining, go elsewhere": a
 :class:`WorkerDrainingError` travels as ABORTED with :data:`DRAINING_KEY` in the trailing
 metadata, so a draining decode worker hands its remaining streams to the gateway, which
-moves them to another worker (``gateway.migration``) instead of failing them.
+moves them to another worker (``gateway.routing.migration``) instead of failing them.
 """
 
 from __future__ import annotations

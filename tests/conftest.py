@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 
 from engine.model_files import ModelFiles, resolve_model
 from gateway.served_model import ServedModel, locate_model, read_model_card
-from gateway.tokenizer import Tokenizer
+from gateway.text.tokenizer import Tokenizer
 from tests.factories import make_tiny_model_dir
 
 

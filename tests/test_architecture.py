@@ -2,7 +2,10 @@
 
 services -> rpc -> protos, services -> engine; nothing imports a service; engine/ never
 imports grpc; the scheduling and bookkeeping modules of engine/ never import torch, not
-even through another module of ours.
+even through another module of ours. Inside gateway/, the modules import each other
+without a cycle (annotation-only imports included), and its parts are layered: text
+processing below routing, routing below the two front ends (HTTP and gRPC), which do not
+import each other.
 """
 
 from __future__ import annotations
@@ -10,8 +13,10 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterator
 from functools import cache
+from itertools import pairwise
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -48,14 +53,19 @@ def module_name(rel: Path) -> str:
     return ".".join(parts)
 
 
-def imports_of(source: str, module: str, is_package: bool) -> set[str]:
-    """Absolute names of every module imported anywhere in ``source`` (nested too)."""
+def imports_of(source: str, module: str, is_package: bool, type_checking: bool = False) -> set[str]:
+    """Absolute names of every module imported anywhere in ``source`` (nested too); those
+    under ``if TYPE_CHECKING:`` only when ``type_checking``."""
     found: set[str] = set()
     package = module if is_package else module.rpartition(".")[0]
     tree = ast.parse(source)
     # `if TYPE_CHECKING:` imports never run; they exist for annotations only.
     for node in ast.walk(tree):
-        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+        if (
+            not type_checking
+            and isinstance(node, ast.If)
+            and getattr(node.test, "id", None) == "TYPE_CHECKING"
+        ):
             node.body = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -75,12 +85,12 @@ def imports_of(source: str, module: str, is_package: bool) -> set[str]:
 
 
 @cache
-def import_graph() -> dict[str, set[str]]:
+def import_graph(type_checking: bool = False) -> dict[str, set[str]]:
     graph = {}
     for rel in python_files():
         module = module_name(rel)
         source = (REPO / rel).read_text(encoding="utf-8")
-        graph[module] = imports_of(source, module, rel.name == "__init__.py")
+        graph[module] = imports_of(source, module, rel.name == "__init__.py", type_checking)
     return graph
 
 
@@ -119,6 +129,8 @@ def test_import_collector_sees_nested_and_relative_imports() -> None:
 def test_type_checking_imports_are_not_runtime_imports() -> None:
     source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch\nimport os\n"
     assert imports_of(source, "m", False) == {"typing", "typing.TYPE_CHECKING", "os"}
+    assert "torch" in imports_of(source, "m", False, type_checking=True)
+    assert "torch" in imports_of(source, "m", False, type_checking=True)
 
 
 def test_engine_imports_no_grpc_protos_rpc_or_service() -> None:
@@ -188,6 +200,149 @@ def test_torch_free_modules_never_reach_torch() -> None:
     assert chains == {}, "torch reached through: " + "; ".join(
         " -> ".join(c) for c in chains.values()
     )
+
+
+# Each gateway part -> the parts it must not reach, directly or through other modules.
+GATEWAY_LAYERS = {
+    "gateway.text": ("gateway.routing", "gateway.http", "gateway.grpc_api"),
+    "gateway.routing": ("gateway.http", "gateway.grpc_api"),
+    "gateway.http": ("gateway.grpc_api",),
+    "gateway.grpc_api": ("gateway.http",),
+}
+
+
+def under(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def module_edges(graph: dict[str, set[str]], package: str) -> dict[str, set[str]]:
+    """Each module under ``package`` -> the modules under it that it imports. ``from a.b
+    import c`` imports a, a.b and (if it is a module) a.b.c; a module's own enclosing
+    packages, which always run before it, are left out."""
+    edges = {}
+    for module, names in graph.items():
+        if not under(module, package):
+            continue
+        parts = module.split(".")
+        own = {".".join(parts[: i + 1]) for i in range(len(parts))}
+        targets = set()
+        for name in names:
+            steps = name.split(".")
+            for i in range(len(steps)):
+                step = ".".join(steps[: i + 1])
+                if step in graph and under(step, package) and step not in own:
+                    targets.add(step)
+        edges[module] = targets
+    return edges
+
+
+def import_cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle ``[a, b, ..., a]`` per strongly connected group of modules (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[set[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for target in sorted(edges.get(module, ())):
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in on_stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            group = set()
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.add(member)
+                if member == module:
+                    break
+            if len(group) > 1 or module in edges.get(module, ()):
+                groups.append(group)
+
+    for module in sorted(edges):
+        if module not in index:
+            visit(module)
+    cycles = []
+    for group in groups:
+        start = min(group)
+        path = _path(edges, start, lambda m, start=start: m == start, group)
+        assert path is not None
+        cycles.append(path)
+    return cycles
+
+
+def _path(
+    edges: dict[str, set[str]],
+    start: str,
+    is_goal: Callable[[str], bool],
+    allowed: set[str] | None = None,
+) -> list[str] | None:
+    """The shortest import chain from ``start`` (at least one import) to a module that
+    ``is_goal``, through ``allowed`` modules only if given; or None. Of the modules one
+    import names, the deepest comes first (``a.b.c`` before its package ``a.b``), so the
+    chain names what was imported."""
+    seen: set[str] = set()
+    queue = deque([[start]])
+    while queue:
+        chain = queue.popleft()
+        for target in sorted(edges.get(chain[-1], ()), key=lambda m: (-len(m), m)):
+            if is_goal(target):
+                return [*chain, target]
+            if target not in seen and (allowed is None or target in allowed):
+                seen.add(target)
+                queue.append([*chain, target])
+    return None
+
+
+def describe(chain: list[str]) -> str:
+    return ", ".join(f"{a} imports {b}" for a, b in pairwise(chain))
+
+
+def layering_violations(
+    edges: dict[str, set[str]], layers: dict[str, tuple[str, ...]]
+) -> list[str]:
+    """For each module of a part that reaches a part it must not: the chain of imports."""
+    found = []
+    for package, forbidden in sorted(layers.items()):
+        for module in sorted(m for m in edges if under(m, package)):
+            for banned in forbidden:
+                chain = _path(edges, module, lambda m, banned=banned: under(m, banned))
+                if chain is not None:
+                    found.append(f"{package} must not reach {banned}: {describe(chain)}")
+    return found
+
+
+def test_cycle_and_layer_checks_name_the_imports() -> None:
+    edges = {"g.a": {"g.b"}, "g.b": {"g.c"}, "g.c": {"g.a"}, "g.d": {"g.d"}, "g.e": set()}
+    assert import_cycles(edges) == [["g.a", "g.b", "g.c", "g.a"], ["g.d", "g.d"]]
+    assert import_cycles({"g.a": {"g.b"}, "g.b": set()}) == []
+    layered = {"g.low.x": {"g.mid"}, "g.mid": {"g.top.y"}, "g.top.y": set()}
+    assert layering_violations(layered, {"g.low": ("g.top",)}) == [
+        "g.low must not reach g.top: g.low.x imports g.mid, g.mid imports g.top.y"
+    ]
+    graph = {"g": set(), "g.p": set(), "g.p.m": {"g.p.n.X", "g.q"}, "g.p.n": set(), "g.q": set()}
+    assert module_edges(graph, "g")["g.p.m"] == {"g.p.n", "g.q"}
+
+
+def test_gateway_imports_have_no_cycle_even_for_annotations() -> None:
+    edges = module_edges(import_graph(type_checking=True), "gateway")
+    assert "gateway.validation" in edges and "gateway.text.tokenizer" in edges
+    cycles = import_cycles(edges)
+    assert cycles == [], "import cycles in gateway/: " + "; ".join(map(describe, cycles))
+
+
+def test_gateway_parts_are_layered() -> None:
+    edges = module_edges(import_graph(type_checking=True), "gateway")
+    for package in GATEWAY_LAYERS:
+        assert any(under(m, package) and m != package for m in edges), package
+    bad = layering_violations(edges, GATEWAY_LAYERS)
+    assert bad == [], "\n".join(bad)
 
 
 def test_no_tracked_file_holds_merge_conflict_markers() -> None:

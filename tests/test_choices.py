@@ -18,11 +18,11 @@ from decode_service.choices import fan_out
 from engine.async_engine import AsyncEngine
 from engine.request import FinishReason, RequestOutput, TokenLogprob
 from engine.sampling_params import MAX_N, SamplingParams
-from gateway.openai_request import Endpoint, parse_request
-from gateway.openai_response import ResponseBuilder
-from gateway.output_processor import GenerateDelta
-from gateway.output_processor import Usage as OutputUsage
+from gateway.http.request import Endpoint, parse_request
+from gateway.http.response import ResponseBuilder
 from gateway.served_model import ServedModel
+from gateway.text.output_processor import GenerateDelta
+from gateway.text.output_processor import Usage as OutputUsage
 from protos.baton.v1 import common_pb2, generate_pb2
 from protos.client.messages import Chunk, Completion, Usage
 from protos.client.messages import FinishReason as ClientFinish

@@ -1,6 +1,6 @@
 """Constraints without a model: their shape (engine.constraint), whether they compile
 (engine.grammar, compile bounds included), their wire form (rpc.convert_constraint) and
-the OpenAI body fields that carry them (gateway.openai_constraint)."""
+the OpenAI body fields that carry them (gateway.http.constraint)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from engine.constraint import MAX_CHOICES, MAX_SPEC_CHARS, Constraint, Constrain
 from engine.guided import GuidedDecoding, GuidedRow
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from gateway.openai_constraint import request_constraint
+from gateway.http.constraint import request_constraint
 from gateway.validation import FieldError
 from protos.baton.v1 import common_pb2
 from rpc.convert import sampling_params_from_proto, sampling_params_to_proto

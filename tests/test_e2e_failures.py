@@ -84,7 +84,7 @@ async def test_decode_worker_killed_mid_stream(cluster: E2ECluster) -> None:
         )
     for first, outcome in zip(firsts, outcomes, strict=True):
         outcome.responses.insert(0, first)
-    # The dead worker's streams moved to the other decode worker (gateway.migration):
+    # The dead worker's streams moved to the other decode worker (gateway.routing.migration):
     # every stream completes, and exactly those report a move.
     for outcome in outcomes:
         assert_completed(outcome, 900, cluster.logs())

@@ -12,8 +12,8 @@ import pytest
 from engine.request import RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.transfer.handoff import FirstToken
-from gateway.migration import StreamProgress
-from gateway.openai_request import Endpoint, parse_request
+from gateway.http.request import Endpoint, parse_request
+from gateway.routing.migration import StreamProgress
 from gateway.served_model import ServedModel
 from gateway.validation import FieldError
 from protos.baton.v1 import generate_pb2, generate_pb2_grpc

@@ -1,4 +1,4 @@
-"""gateway.detokenizer with the real SmolLM2 tokenizer: split characters, context, specials."""
+"""gateway.text.detokenizer with the real SmolLM2 tokenizer: split characters, context, specials."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from collections.abc import Iterator, Sequence
 import pytest
 
 from engine.model_files import ModelFiles
-from gateway.detokenizer import MAX_HELD_TOKENS, REPLACEMENT_CHAR, IncrementalDetokenizer
-from gateway.tokenizer import Tokenizer
+from gateway.text.detokenizer import MAX_HELD_TOKENS, REPLACEMENT_CHAR, IncrementalDetokenizer
+from gateway.text.tokenizer import Tokenizer
 
 IM_END = 2  # <|im_end|>, a special token in SmolLM2's vocabulary
 

@@ -1,4 +1,4 @@
-"""gateway.discovery and the router over a changing fleet, against real gRPC fake workers.
+"""gateway.routing.discovery and the router over a changing fleet, against real gRPC fake workers.
 
 Targets parse; DNS names resolve through an injected resolver (and through the system's
 for ``localhost``); a worker that appears is routed to once it answers, one whose health
@@ -20,9 +20,9 @@ import pytest
 
 from engine import errors
 from engine.sampling_params import SamplingParams
-from gateway.discovery import Fleet, file_resolver, parse_target, system_resolver
-from gateway.dispatcher import DecodeJob, Dispatcher
-from gateway.router import Route, Router, WorkerKind
+from gateway.routing.discovery import Fleet, file_resolver, parse_target, system_resolver
+from gateway.routing.dispatcher import DecodeJob, Dispatcher
+from gateway.routing.router import Route, Router, WorkerKind
 from protos.baton.v1 import worker_pb2, worker_pb2_grpc
 from rpc.channels import ChannelCache
 from rpc.server import RpcServer, ServerSpec

@@ -5,9 +5,9 @@ where its prefix is cached unless the work queued there outweighs it; weight 0 (
 from __future__ import annotations
 
 from engine.kv_events import prefix_block_hashes
-from gateway.kv_feed import KVFeed
-from gateway.kv_index import KVIndex
-from gateway.router import Route, Router, WorkerKind
+from gateway.routing.kv_feed import KVFeed
+from gateway.routing.kv_index import KVIndex
+from gateway.routing.router import Route, Router, WorkerKind
 from protos.baton.v1 import worker_pb2
 from rpc.channels import ChannelCache
 

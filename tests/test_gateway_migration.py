@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 from engine import errors
 from engine.model_files import ModelFiles
 from gateway.served_model import ServedModel, locate_model, read_model_card
-from gateway.tokenizer import Tokenizer
+from gateway.text.tokenizer import Tokenizer
 from protos.baton.v1 import common_pb2, generate_pb2, worker_pb2
 from rpc.errors import WorkerDrainingError
 from tests.fake_workers import FakeDecodeWorker, Script, eventually, fake_workers

@@ -1,4 +1,4 @@
-"""gateway.output_processor on a one-character-per-token decoder: stops, min_tokens, usage."""
+"""gateway.text.output_processor on a one-character-per-token decoder: stops, min_tokens, usage."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from engine.request import FinishReason, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
-from gateway.output_processor import OutputProcessor, Usage
+from gateway.text.output_processor import OutputProcessor, Usage
 
 
 class CharDecoder:

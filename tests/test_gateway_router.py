@@ -1,11 +1,11 @@
-"""gateway.router picks, on hand-set worker states (no servers: channels connect lazily)."""
+"""gateway.routing.router picks, on hand-set worker states (no servers: channels connect lazily)."""
 
 from __future__ import annotations
 
 import pytest
 
 from engine.errors import ResourceExhaustedError, UnavailableError
-from gateway.router import Route, Router, WorkerKind
+from gateway.routing.router import Route, Router, WorkerKind
 from protos.baton.v1 import worker_pb2
 from rpc.channels import ChannelCache
 

@@ -8,8 +8,8 @@ import pytest
 
 from engine.model_files import ModelFiles, find_bundled_gguf
 from gateway.served_model import ServedModel, locate_model, read_model_card
-from gateway.tokenizer import Tokenizer
-from gateway.validation import ChatTurn
+from gateway.text.chat import ChatTurn
+from gateway.text.tokenizer import Tokenizer
 
 
 def test_bundled_name_uses_the_converted_checkpoint(smollm2: ModelFiles) -> None:

@@ -22,7 +22,7 @@ from engine.model_files import ModelFiles
 from gateway.app import Gateway
 from gateway.config import GatewayConfig
 from gateway.served_model import ServedModel, locate_model, read_model_card
-from gateway.tokenizer import Tokenizer
+from gateway.text.tokenizer import Tokenizer
 from protos.baton.v1 import common_pb2, generate_pb2, generate_pb2_grpc, worker_pb2
 from rpc.server import RpcServer
 from tests.fake_workers import (

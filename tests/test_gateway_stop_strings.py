@@ -1,4 +1,4 @@
-"""gateway.stop_strings: matches across deltas, hold-back, truncation and the include flag."""
+"""gateway.text.stop_strings: matches across deltas, hold-back, truncation and the include flag."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from gateway.stop_strings import StopStringMatcher
+from gateway.text.stop_strings import StopStringMatcher
 
 
 def run(stops: list[str], deltas: list[str], include: bool = False) -> tuple[str, str | None]:

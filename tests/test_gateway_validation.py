@@ -1,4 +1,5 @@
-"""gateway.validation: every malformed GenerateRequest is a ValueError naming its field.
+"""gateway.grpc_api.request and gateway.validation: every malformed GenerateRequest is a
+ValueError naming its field.
 
 ``BAD_REQUESTS`` is shared with the over-the-wire test in test_gateway_service.py.
 """
@@ -10,13 +11,10 @@ from collections.abc import Callable
 
 import pytest
 
+from gateway.grpc_api.request import validate_generate_request
 from gateway.served_model import ModelCard
-from gateway.validation import (
-    MAX_CHARS_PER_TOKEN,
-    ChatTurn,
-    check_prompt_length,
-    validate_generate_request,
-)
+from gateway.text.chat import ChatTurn
+from gateway.validation import MAX_CHARS_PER_TOKEN, check_prompt_length
 from protos.baton.v1 import common_pb2, generate_pb2
 
 CARD = ModelCard(

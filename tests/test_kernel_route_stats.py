@@ -11,7 +11,7 @@ from engine.kernels.route_table import ROW_CLASSES
 from engine.kv_layout import KVLayout
 from engine.stats import EngineStats
 from gateway.metrics import KernelRoutesCollector
-from gateway.workers import WorkerKind, WorkerState
+from gateway.routing.workers import WorkerKind, WorkerState
 from rpc import convert
 from tests.engine_helpers import make_core
 

@@ -10,7 +10,7 @@ import pytest
 from engine.block_pool import BlockPool
 from engine.kv_events import KVEventLog, prefix_block_hashes
 from engine.sampling_params import SamplingParams
-from gateway.kv_index import KVIndex, PromptHashes
+from gateway.routing.kv_index import KVIndex, PromptHashes
 from gateway.served_model import ServedModel
 from tests.engine_helpers import make_core
 

@@ -12,9 +12,10 @@ from engine.device_sampler import DeviceSampler
 from engine.request import RequestOutput
 from engine.sampler import Sampler, SamplingRow
 from engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
-from gateway.migration import StreamProgress
-from gateway.openai_request import Endpoint, parse_request
-from gateway.validation import FieldError, validate_generate_request
+from gateway.grpc_api.request import validate_generate_request
+from gateway.http.request import Endpoint, parse_request
+from gateway.routing.migration import StreamProgress
+from gateway.validation import FieldError
 from protos.baton.v1 import common_pb2, generate_pb2
 from protos.client.messages import SamplingParams as ClientSamplingParams
 from rpc.convert import sampling_params_from_proto, sampling_params_to_proto

@@ -1,4 +1,5 @@
-"""gateway.migration without gRPC: which failures move a request, and what the move sends."""
+"""gateway.routing.migration without gRPC: which failures move a request, and what the move
+sends."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 from engine import errors
 from engine.request import FinishReason, RequestOutput, RequestTimings
 from engine.sampling_params import SamplingParams
-from gateway.migration import BrokenStreamError, MoveReason, StreamProgress, move_reason
+from gateway.routing.migration import BrokenStreamError, MoveReason, StreamProgress, move_reason
 from protos.baton.v1 import worker_pb2
 from rpc.errors import RoleExhaustedError, WorkerDrainingError
 

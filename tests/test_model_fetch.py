@@ -15,7 +15,7 @@ from engine import model_files
 from engine.model_fetch import FetchConfig, fetch, parse
 from engine.sampling_params import SamplingParams
 from gateway.served_model import locate_model, read_model_card
-from gateway.tokenizer import Tokenizer
+from gateway.text.tokenizer import Tokenizer
 from tests.engine_helpers import compare_greedy, hf_greedy, hf_model, make_core
 from tests.factories import TINY_GGUF_VOCAB_SIZE, make_tiny_gguf, make_tiny_model_dir
 from tests.fake_hub import FakeRepo, serve

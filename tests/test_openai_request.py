@@ -1,4 +1,4 @@
-"""gateway.openai_request: OpenAI bodies -> GenerateInput, and every refusal names its field.
+"""gateway.http.request: OpenAI bodies -> GenerateInput, and every refusal names its field.
 
 ``REFUSED`` (unsupported fields and bad values, with the ``param`` each must name) is
 shared with the end-to-end test, which sends each one through the official client.
@@ -10,14 +10,15 @@ from typing import Any
 
 import pytest
 
-from gateway.openai_request import (
+from gateway.http.request import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     Endpoint,
     ModelNotFoundError,
     parse_request,
 )
 from gateway.served_model import ModelCard
-from gateway.validation import ChatTurn, FieldError, PromptTooLongError
+from gateway.text.chat import ChatTurn
+from gateway.validation import FieldError, PromptTooLongError
 
 CARD = ModelCard(
     model_id="m", vocab_size=1000, max_model_len=64, eos_token_ids=(2,), has_chat_template=True

@@ -1,7 +1,7 @@
 """Structured output and tool calling on the HTTP API: what reaches decode (the constraint
 in ``SamplingParameters``, the tools in the rendered prompt), and how the output comes back
 (``tool_calls``, streamed deltas, ``finish_reason``). A real gateway in front of fake
-workers scripted with the model's text; parsing (gateway.tool_calls) unit-tested first.
+workers scripted with the model's text; parsing (gateway.http.tool_calls) unit-tested first.
 The real model end to end is in test_e2e_structured.py.
 """
 
@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from gateway.openai_tools import ToolChoice, parse_tools
+from gateway.http.tool_calls import parse_tool_calls
+from gateway.http.tools import ToolChoice, parse_tools
 from gateway.served_model import ServedModel
-from gateway.tool_calls import parse_tool_calls
 from tests.fake_workers import FakeDecodeWorker, Script, fake_workers
 from tests.http_helpers import MODEL, ids_of, running_http
 

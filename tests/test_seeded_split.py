@@ -101,7 +101,7 @@ def test_position_streams_are_distinct_and_reproducible() -> None:
 
 def test_a_moved_request_draws_the_same_tokens_as_an_undisturbed_one(tiny_llama: Path) -> None:
     """What the gateway sends when a request moves to another decode worker
-    (``gateway.migration``): the prompt followed by the outputs already streamed, what is
+    (``gateway.routing.migration``): the prompt followed by the outputs already streamed, what is
     left of max_tokens/min_tokens, and ``output_offset``. Seeded draws and the output-only
     penalties count from the original output's start, so the continuation is the one the
     undisturbed request produced (fp32)."""

@@ -557,7 +557,8 @@ async def test_prefill_frees_its_blocks_when_decode_leaves_before_the_ack(
 
 async def test_a_retry_with_the_same_request_id_is_accepted(rig: Rig) -> None:
     """The gateway retries a request that failed before its first token with the same
-    DecodeRequest (same request_id), often on the same decode worker (gateway/dispatcher.py).
+    DecodeRequest (same request_id), often on the same decode worker
+    (gateway/routing/dispatcher.py).
     Decode keeps the failed attempt's engine request until its lease has ended
     (``_discard_after``), so a quick retry is refused as INVALID_ARGUMENT "request_id ...
     is already in use", which the gateway does not retry: a transient prefill failure

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from engine.request import FinishReason, RequestOutput, RequestTimings, TokenLogprob
 from engine.sampling_params import SamplingParams
-from gateway.detokenizer import Decoder, IncrementalDetokenizer
-from gateway.stop_strings import StopStringMatcher
+from gateway.text.detokenizer import Decoder, IncrementalDetokenizer
+from gateway.text.stop_strings import StopStringMatcher
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,7 +24,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
-    # Times the request moved to another decode worker mid-stream (gateway.migration).
+    # Times the request moved to another decode worker mid-stream (gateway.routing.migration).
     migrations: int = 0
 
 

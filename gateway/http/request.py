@@ -11,7 +11,7 @@ honour (``best_of > 1``, ``suffix``, ...) is refused, and so is a field OpenAI d
 define (beyond vLLM's sampling and structured-output extras, which baton supports). A
 field set to ``null``, or to the value that means "off" (``best_of: 1``, ``tools: []``),
 is accepted. ``response_format`` and vLLM's constraint fields become one ``Constraint``
-(gateway.openai_constraint).
+(gateway.http.constraint).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
-from gateway.openai_constraint import CONSTRAINT_FIELDS, request_constraint
-from gateway.openai_tools import (
+from gateway.http.constraint import CONSTRAINT_FIELDS, request_constraint
+from gateway.http.tools import (
     ToolPlan,
     assistant_calls_text,
     parse_tools,
@@ -44,6 +44,7 @@ from gateway.validation import (
     check_token_ids,
     max_prompt_chars,
 )
+from gateway.validation import json_kind as _kind
 
 # OpenAI's default for /v1/completions; chat has none (the context limit).
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -127,7 +128,7 @@ _MESSAGE_ROLES = {
     "assistant": "assistant",
     "tool": "tool",
 }
-# Message keys beyond role and content, by role (tool calling: gateway.openai_tools).
+# Message keys beyond role and content, by role (tool calling: gateway.http.tools).
 _MESSAGE_KEYS = {"assistant": ("tool_calls",), "tool": ("tool_call_id", "name")}
 
 
@@ -431,11 +432,3 @@ def _why_off(name: str) -> str:
         "modalities": "only text output is supported",
         "store": "completions are not stored",
     }[name]
-
-
-def _kind(value: object) -> str:
-    if isinstance(value, Mapping):
-        return "an object"
-    if isinstance(value, list):
-        return "a list"
-    return "a string" if isinstance(value, str) else repr(value)

@@ -1,4 +1,4 @@
-"""Reading tool calls out of a chat completion's text (``gateway.openai_tools`` says how
+"""Reading tool calls out of a chat completion's text (``gateway.http.tools`` says how
 they were asked for).
 
 - a named function: the text is the arguments object;
@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.openai_tools import ToolChoice, ToolPlan
+from gateway.http.tools import ToolChoice, ToolPlan
 
 _TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 

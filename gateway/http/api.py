@@ -2,8 +2,8 @@
 
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` (non-streaming, or SSE with
 ``"stream": true``), ``GET /v1/models``. The handlers only map: body -> GenerateInput
-(gateway.openai_request) -> gateway.generation -> deltas -> OpenAI objects
-(gateway.openai_response); errors -> status and body in one place (gateway.http_errors).
+(gateway.http.request) -> gateway.generation -> deltas -> OpenAI objects
+(gateway.http.response); errors -> status and body in one place (gateway.http.errors).
 
 - **Status before the stream**: a streaming response is held back until the first token
   (or a failure), so refusals that come before it (400, 404, 429 no capacity, 503, 504)
@@ -36,10 +36,10 @@ from starlette.routing import Route
 
 from engine.errors import DeadlineExceededError, ResourceExhaustedError
 from gateway.generation import Generation
-from gateway.http_errors import BodyTooLargeError, HttpError, http_error_for
-from gateway.openai_request import REQUEST_ID_HEADER, Endpoint, OpenAIRequest, parse_request
-from gateway.openai_response import SSE_DONE, ResponseBuilder, sse_event
-from gateway.output_processor import GenerateDelta
+from gateway.http.errors import BodyTooLargeError, HttpError, http_error_for
+from gateway.http.request import REQUEST_ID_HEADER, Endpoint, OpenAIRequest, parse_request
+from gateway.http.response import SSE_DONE, ResponseBuilder, sse_event
+from gateway.text.output_processor import GenerateDelta
 from gateway.validation import FieldError
 from rpc.tracing import context_from_headers
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from gateway.validation import ChatTurn
+    from gateway.text.chat import ChatTurn
 
 logger = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ MAX_HELD_TOKENS = 8
 
 
 class Decoder(Protocol):
-    """The one tokenizer call the detokenizer needs (gateway.tokenizer.Tokenizer has it)."""
+    """The one tokenizer call the detokenizer needs (gateway.text.tokenizer.Tokenizer has it)."""
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool) -> str: ...
 

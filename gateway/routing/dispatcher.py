@@ -17,7 +17,7 @@ surfaces. Other codes (INVALID_ARGUMENT, DEADLINE_EXCEEDED, ...) pass through at
 with the worker's message.
 
 Once tokens have reached the caller, a failure that means the decode worker is gone or
-leaving *moves* the request (``gateway.migration``): a new ``Decode`` on another decode
+leaving *moves* the request (``gateway.routing.migration``): a new ``Decode`` on another decode
 worker resumes it from the last token the caller has, up to ``max_migrations`` times per
 request; the caller's stream goes on with no gap and no duplicate. Past the bound, or on
 any other failure, the request ends with the failure's status (UNAVAILABLE naming the
@@ -52,9 +52,9 @@ from engine.errors import (
 )
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
-from gateway.migration import BrokenStreamError, Move, StreamProgress, move_reason
-from gateway.router import Router
-from gateway.workers import Route, WorkerKind
+from gateway.routing.migration import BrokenStreamError, Move, StreamProgress, move_reason
+from gateway.routing.router import Router
+from gateway.routing.workers import Route, WorkerKind
 from protos.baton.v1 import worker_pb2, worker_pb2_grpc
 from rpc.channels import ChannelCache
 from rpc.convert import output_from_decode_response, sampling_params_to_proto

@@ -7,9 +7,9 @@ accumulates for ``response()``, the non-streaming body. Log-probabilities come i
 endpoint's own shape: ``{tokens, token_logprobs, top_logprobs, text_offset}`` for
 completions, ``{content: [{token, logprob, bytes, top_logprobs}]}`` for chat.
 
-Tool calls (a request with ``tools``; gateway.openai_tools): the message carries
+Tool calls (a request with ``tools``; gateway.http.tools): the message carries
 ``tool_calls`` (content null) and the finish reason is ``tool_calls`` when the output
-parses as calls (gateway.tool_calls); otherwise the text is the content, as without
+parses as calls (gateway.http.tool_calls); otherwise the text is the content, as without
 tools. Streaming a named function's call sends the arguments as they are generated
 (``tool_calls[0].function.arguments`` deltas after one delta with its id and name); with
 ``auto`` or ``required`` the text is held until the end, then sent as the calls (one
@@ -31,10 +31,10 @@ from typing import Any
 
 from engine.errors import AbortedError
 from engine.request import FinishReason, RequestTimings, TokenLogprob
-from gateway.openai_request import Endpoint, OpenAIRequest
-from gateway.openai_tools import ToolChoice
-from gateway.output_processor import GenerateDelta, Usage
-from gateway.tool_calls import new_call_id, parse_tool_calls
+from gateway.http.request import Endpoint, OpenAIRequest
+from gateway.http.tool_calls import new_call_id, parse_tool_calls
+from gateway.http.tools import ToolChoice
+from gateway.text.output_processor import GenerateDelta, Usage
 
 SSE_DONE = b"data: [DONE]\n\n"
 TIMINGS_KEY = "baton_timings"  # baton's extension field (see the module doc)

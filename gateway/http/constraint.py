@@ -18,6 +18,7 @@ from typing import Any
 
 from engine.constraint import Constraint, ConstraintKind
 from gateway.validation import FieldError
+from gateway.validation import json_kind as _kind
 
 # Top-level body fields this module reads.
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -149,11 +150,3 @@ def _make(kind: ConstraintKind, path: str, **fields: Any) -> Constraint:
     except ValueError as exc:  # "choice[2] must be ..." / "regex must be ..."
         message = str(exc).removeprefix(kind.value)
         raise FieldError(path, f"{path}{message}") from exc
-
-
-def _kind(value: object) -> str:
-    if isinstance(value, Mapping):
-        return "an object"
-    if isinstance(value, list):
-        return "a list"
-    return "a string" if isinstance(value, str) else repr(value)

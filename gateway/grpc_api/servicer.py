@@ -16,8 +16,8 @@ from collections.abc import AsyncIterator
 import grpc.aio
 
 from gateway.generation import Generation
-from gateway.output_processor import GenerateDelta
-from gateway.validation import validate_generate_request
+from gateway.grpc_api.request import validate_generate_request
+from gateway.text.output_processor import GenerateDelta
 from protos.baton.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from rpc.convert import (
     finish_reason_to_proto,

@@ -10,7 +10,7 @@ one per line, and a ``tool`` message as a ``tool`` turn.
 
 ``tool_choice``:
 - ``none``: the tools are not shown and no call is parsed;
-- ``auto`` (the default with tools): free generation; ``gateway.tool_calls`` parses the
+- ``auto`` (the default with tools): free generation; ``gateway.http.tool_calls`` parses the
   output as calls when it is one (else it is the message's content);
 - ``required``: generated under a JSON schema for a non-empty array of calls, each an
   object naming one of the tools with arguments valid under that tool's parameters;
@@ -28,8 +28,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.constraint import Constraint
-from gateway.openai_constraint import schema_constraint
+from gateway.http.constraint import schema_constraint
 from gateway.validation import FieldError
+from gateway.validation import json_kind as _kind
 
 MAX_TOOLS = 128
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -211,11 +212,3 @@ def with_tools_prompt(
     else:
         turns.insert(0, ("system", plan.system_text()))
     return turns
-
-
-def _kind(value: object) -> str:
-    if isinstance(value, Mapping):
-        return "an object"
-    if isinstance(value, list):
-        return "a list"
-    return "a string" if isinstance(value, str) else repr(value)

@@ -1,6 +1,6 @@
 """Which workers a request goes to: the decode and prefill fleets, their load, their health.
 
-Fleets are gRPC-style targets (``gateway.discovery``): fixed ``HOST:PORT`` addresses, or
+Fleets are gRPC-style targets (``gateway.routing.discovery``): fixed ``HOST:PORT`` addresses, or
 ``dns:///NAME:PORT`` names that are looked up again every ``resolve_interval_s`` and soon
 after a failure. A worker that appears in an answer is polled, and routed to once it
 answers ``Stats`` (which a server admits only while SERVING). A worker that leaves the
@@ -43,10 +43,17 @@ import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.errors import ResourceExhaustedError, UnavailableError
-from gateway.discovery import Fleet, Resolver, system_resolver
-from gateway.kv_feed import KVFeed
-from gateway.kv_index import PromptHashes
-from gateway.workers import ACCEPTED_ROLES, NOT_POLLED, Route, WorkerKind, WorkerState, host_of
+from gateway.routing.discovery import Fleet, Resolver, system_resolver
+from gateway.routing.kv_feed import KVFeed
+from gateway.routing.kv_index import PromptHashes
+from gateway.routing.workers import (
+    ACCEPTED_ROLES,
+    NOT_POLLED,
+    Route,
+    WorkerKind,
+    WorkerState,
+    host_of,
+)
 from protos.baton.v1 import worker_pb2, worker_pb2_grpc
 from rpc.channels import ChannelCache
 

@@ -1,4 +1,4 @@
-"""Keeps the gateway's :class:`~gateway.kv_index.KVIndex` fed: one ``KVEvents`` stream per
+"""Keeps the gateway's :class:`~gateway.routing.kv_index.KVIndex` fed: one ``KVEvents`` stream per
 worker the router knows.
 
 A stream starts with a snapshot and then brings each engine batch. A gap in the sequence
@@ -17,8 +17,8 @@ import logging
 import grpc
 import grpc.aio
 
-from gateway.kv_index import KVIndex
-from gateway.workers import WorkerKind
+from gateway.routing.kv_index import KVIndex
+from gateway.routing.workers import WorkerKind
 from protos.baton.v1 import worker_pb2, worker_pb2_grpc
 from rpc.channels import ChannelCache
 

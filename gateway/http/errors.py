@@ -34,7 +34,7 @@ from typing import Any
 import grpc
 
 from engine import errors
-from gateway.openai_request import ModelNotFoundError
+from gateway.http.request import ModelNotFoundError
 from gateway.validation import FieldError, PromptTooLongError
 from rpc.errors import error_from_rpc
 
