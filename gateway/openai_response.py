@@ -12,8 +12,9 @@ Tool calls (a request with ``tools``; gateway.openai_tools): the message carries
 parses as calls (gateway.tool_calls); otherwise the text is the content, as without
 tools. Streaming a named function's call sends the arguments as they are generated
 (``tool_calls[0].function.arguments`` deltas after one delta with its id and name); with
-``auto`` or ``required`` the text is held until the end, then sent as the calls (one
-delta) or as content. With ``n > 1`` each choice is shaped on its own.
+``auto`` or ``required`` the reply is read as it streams (gateway.tool_call_stream):
+content as content, each call opened once its name is complete, its arguments as they
+are generated. With ``n > 1`` each choice is shaped on its own.
 
 baton's one extension: ``baton_timings``, the request's per-phase timings in seconds
 (``queued_s``, ``reserved_s``, ``prefill_s``, ``transfer_s``, ``first_token_s``,
@@ -34,6 +35,7 @@ from engine.request import FinishReason, RequestTimings, TokenLogprob
 from gateway.openai_request import Endpoint, OpenAIRequest
 from gateway.openai_tools import ToolChoice
 from gateway.output_processor import GenerateDelta, Usage
+from gateway.tool_call_stream import ToolCallStream, stream_delta
 from gateway.tool_calls import new_call_id, parse_tool_calls
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -81,8 +83,8 @@ class _Choice:
     sent_role: bool = False
     echo_pending: bool = False
     named_call_id: str | None = None  # a streamed named tool call, once it opened
-    held_text: list[str] = field(default_factory=list)  # auto/required: held until the end
-    held_logprobs: dict[str, list[Any]] = field(default_factory=dict)
+    calls: ToolCallStream | None = None  # auto/required: the reply read as it streams
+    held_logprobs: dict[str, list[Any]] = field(default_factory=dict)  # not yet sent
 
 
 class ResponseBuilder:
@@ -169,20 +171,20 @@ class ResponseBuilder:
                 reason = "tool_calls" if finish == "stop" else finish
                 out.append(self._chunk(index, {}, None, reason))
             return out
-        c.held_text.append(text)
         for key, values in (logprobs or {}).items():
             c.held_logprobs.setdefault(key, []).extend(values)
-        if finish is None:
-            return out
-        whole = "".join(c.held_text)
-        held = c.held_logprobs if self._req.logprobs else None
-        calls = parse_tool_calls(whole, self._plan)
-        if calls is None:
-            out.append(self._chunk(index, {"content": whole} if whole else {}, held, finish))
-        else:
-            deltas = [{"index": i, **call.as_dict()} for i, call in enumerate(calls)]
-            out.append(self._chunk(index, {"tool_calls": deltas}, held, None))
-            out.append(self._chunk(index, {}, None, "tool_calls"))
+        if c.calls is None:
+            c.calls = ToolCallStream(self._plan)
+        events = c.calls.feed(text)
+        if finish is not None:
+            events += c.calls.finish()
+        for event in events:
+            held = (c.held_logprobs or None) if self._req.logprobs else None
+            c.held_logprobs = {}
+            out.append(self._chunk(index, stream_delta(event), held, None))
+        if finish is not None:
+            held = (c.held_logprobs or None) if self._req.logprobs else None
+            out.append(self._chunk(index, {}, held, "tool_calls" if c.calls.called else finish))
         return out
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
