@@ -40,6 +40,7 @@ from gateway.http_errors import BodyTooLargeError, HttpError, http_error_for
 from gateway.openai_request import REQUEST_ID_HEADER, Endpoint, OpenAIRequest, parse_request
 from gateway.openai_response import SSE_DONE, ResponseBuilder, sse_event
 from gateway.output_processor import GenerateDelta
+from gateway.prompt_only import prompt_only
 from gateway.validation import FieldError
 from rpc.tracing import context_from_headers
 
@@ -154,7 +155,7 @@ class _Api:
             )
             yield _Started(req, rid)
             async for delta in gen.stream(req.input, rid, tr, deadline=deadline):
-                yield delta
+                yield prompt_only(delta) if req.prompt_only else delta
 
     async def _whole(
         self, started: _Started, events: AsyncGenerator[_Started | GenerateDelta, None]
