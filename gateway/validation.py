@@ -15,11 +15,12 @@ applies the very same rules under its own field names: gateway.grpc_api.request 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from engine.constraint import Constraint
+from engine.constraint import Constraint, ConstraintKind
 from engine.grammar import check_constraint
 from engine.sampling_params import SamplingParams
 from gateway.text.chat import ChatTurn
@@ -27,7 +28,7 @@ from gateway.text.chat import ChatTurn
 if TYPE_CHECKING:
     from gateway.served_model import ModelCard
 
-# "tool": a tool's result, in reply to an assistant's tool call (gateway.http.tools).
+# "tool": a tool's result, in reply to an assistant's tool call (gateway.tools.plan).
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -218,3 +219,21 @@ def json_kind(value: object) -> str:
     if isinstance(value, list):
         return "a list"
     return "a string" if isinstance(value, str) else repr(value)
+
+
+def schema_constraint(schema: object, path: str) -> Constraint:
+    """A JSON schema (an object) as a constraint; its text is canonical, so the same
+    schema compiles once whatever its key order."""
+    if not isinstance(schema, Mapping):
+        raise FieldError(path, f"{path} must be a JSON schema object, got {json_kind(schema)}")
+    text = json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return make_constraint(ConstraintKind.JSON_SCHEMA, path, spec=text)
+
+
+def make_constraint(kind: ConstraintKind, path: str, **fields: Any) -> Constraint:
+    """A constraint built from a request field at ``path``; its own error names the field."""
+    try:
+        return Constraint(kind, **fields)
+    except ValueError as exc:  # "choice[2] must be ..." / "regex must be ..."
+        message = str(exc).removeprefix(kind.value)
+        raise FieldError(path, f"{path}{message}") from exc

@@ -91,7 +91,8 @@ class FakeDecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
         ]
         try:
             if request.sampling_params.n > 1:
-                for msg in self._choices(request, script, want_logprobs):
+                for sent, msg in enumerate(self._choices(request, script, want_logprobs)):
+                    self._maybe_fail(script, sent)  # after `fail_after` messages, all choices
                     yield msg
                 self.completed.append(rid)
                 return

@@ -4,8 +4,8 @@ services -> rpc -> protos, services -> engine; nothing imports a service; engine
 imports grpc; the scheduling and bookkeeping modules of engine/ never import torch, not
 even through another module of ours. Inside gateway/, the modules import each other
 without a cycle (annotation-only imports included), and its parts are layered: text
-processing below routing, routing below the two front ends (HTTP and gRPC), which do not
-import each other.
+processing and tool calling below routing, routing below the two front ends (HTTP and
+gRPC), which do not import each other.
 """
 
 from __future__ import annotations
@@ -205,6 +205,7 @@ def test_torch_free_modules_never_reach_torch() -> None:
 # Each gateway part -> the parts it must not reach, directly or through other modules.
 GATEWAY_LAYERS = {
     "gateway.text": ("gateway.routing", "gateway.http", "gateway.grpc_api"),
+    "gateway.tools": ("gateway.routing", "gateway.http", "gateway.grpc_api"),
     "gateway.routing": ("gateway.http", "gateway.grpc_api"),
     "gateway.http": ("gateway.grpc_api",),
     "gateway.grpc_api": ("gateway.http",),

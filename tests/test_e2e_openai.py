@@ -262,6 +262,26 @@ async def test_structured_output_and_tool_calls_across_the_split(cluster: E2EClu
         outcome = await generate(stub, request)
         text = "".join(r.text for r in outcome.responses)
         validate(json.loads(text), SCHEMAS[0])
+        # baton.v1's tools: the same rendering and constraint give the same greedy call.
+        function = WEATHER["function"]
+        tool = generate_pb2.Tool(
+            name=function["name"],
+            description=function.get("description", ""),
+            parameters_json=json.dumps(function["parameters"]),
+        )
+        request = generate_pb2.GenerateRequest(
+            chat=generate_pb2.ChatMessages(
+                messages=[generate_pb2.ChatMessage(role="user", content="Describe someone.")]
+            ),
+            sampling_params=common_pb2.SamplingParameters(max_tokens=60, temperature=0),
+            tools=[tool],
+            tool_choice=generate_pb2.ToolChoice(function_name="get_weather"),
+        )
+        last = (await generate(stub, request)).responses[-1]
+        assert last.finish_reason == common_pb2.FINISH_REASON_TOOL_CALLS
+        assert [(c.name, c.arguments) for c in last.tool_calls] == [
+            ("get_weather", call.function.arguments)
+        ]
         unclosed = common_pb2.SamplingParameters(regex="[0-9")
         request = generate_pb2.GenerateRequest(text="x", sampling_params=unclosed)
         with pytest.raises(grpc.aio.AioRpcError) as refused:

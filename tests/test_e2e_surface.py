@@ -2,7 +2,8 @@
 and decode workers as processes, shm, tiny model in fp32): ``logit_bias`` of -100 bans
 tokens the model would pick, on the prefill worker's first token and on decode's; ``echo``
 with ``logprobs`` returns the prompt with HF's log-probabilities, also when the prompt's
-KV is already in the prefill worker's prefix cache; ``n=3`` gives three choices from one
+KV is already in the prefill worker's prefix cache, and with ``max_tokens: 0`` the prompt
+alone (no generated token); ``n=3`` gives three choices from one
 prefill (greedy: identical; seeded: as three single requests seeded seed + i), streamed
 with their index, over HTTP and gRPC, and a client leaving mid-stream frees every block.
 """
@@ -83,6 +84,10 @@ async def _logit_bias_and_echo(cluster: E2ECluster, tiny_llama: Path) -> None:
             )
             for _ in range(2)  # the second finds the prompt in prefill's prefix cache
         ]
+        # Log-likelihood: echo with max_tokens 0, the prompt alone, whole and streamed.
+        zero = {"model": model.id, "prompt": ids, "echo": True, "logprobs": 2, "max_tokens": 0}
+        prompt_only = await client.completions.create(**zero)
+        streamed = [c async for c in await client.completions.create(**zero, stream=True)]
     assert over_http.choices[0].text == biased_text  # the HTTP edge maps it the same
 
     with torch.inference_mode():
@@ -95,6 +100,15 @@ async def _logit_bias_and_echo(cluster: E2ECluster, tiny_llama: Path) -> None:
         assert all(len(top) <= 2 for top in got.top_logprobs[1 : len(ids)])
         assert len(got.tokens) == len(ids) + 2
     assert echoed[1].usage.prompt_tokens == len(ids)
+
+    only = prompt_only.choices[0]
+    assert only.finish_reason == "length" and prompt_only.usage.completion_tokens == 0
+    assert only.logprobs.tokens == echoed[0].choices[0].logprobs.tokens[: len(ids)]
+    assert only.logprobs.token_logprobs[0] is None
+    assert only.logprobs.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+    assert echoed[0].choices[0].text.startswith(only.text) and only.text
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == only.text
+    assert streamed[-1].choices[0].finish_reason == "length"
 
 
 async def _n_choices_from_one_prefill(cluster: E2ECluster) -> None:

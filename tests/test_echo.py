@@ -126,3 +126,32 @@ async def test_echo_over_http_and_prompt_logprobs_over_grpc(served_smollm2: Serv
     assert status == 400 and body["error"]["param"] == "echo"
     assert [lp.token_id for lp in replies[0].prompt_logprobs] == prompt_ids[1:]
     assert all(not r.prompt_logprobs for r in replies[1:])
+
+
+async def test_echo_with_max_tokens_zero_returns_the_prompt_alone(
+    served_smollm2: ServedModel,
+) -> None:
+    """Log-likelihood requests: the prompt and its logprobs, no generated token anywhere in
+    the response (the one token generated downstream is kept from the client)."""
+    prompt = "The quick brown fox"
+    prompt_ids = ids_of(served_smollm2, prompt)
+    decode = FakeDecodeWorker()
+    decode.script = Script(token_ids=ids_of(served_smollm2, " jumps"))
+    async with fake_workers([decode]) as (d, _), running_http(served_smollm2, d) as gw:
+        ask = {"model": MODEL, "prompt": prompt, "echo": True, "logprobs": 2, "max_tokens": 0}
+        whole = await gw.client.completions.create(**ask)
+        chunks = [c async for c in await gw.client.completions.create(**ask, stream=True)]
+        status, _, body = await post(gw.port, "/v1/completions", {**ask, "echo": False})
+    assert decode.requests[0].sampling_params.max_tokens == 1
+    (choice,) = whole.choices
+    assert choice.text == prompt and choice.finish_reason == "length"
+    n = len(prompt_ids)
+    assert len(choice.logprobs.tokens) == n and choice.logprobs.token_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:] == [-(j + 1) / 8 for j in range(n - 1)]
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (n, 0)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == prompt
+    streamed = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert streamed == choice.logprobs.tokens
+    assert chunks[-1].choices[0].finish_reason == "length"
+    # Without echo, max_tokens 0 stays refused (as vLLM).
+    assert status == 400 and body["error"]["param"] == "max_tokens"

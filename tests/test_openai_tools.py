@@ -1,7 +1,7 @@
 """Structured output and tool calling on the HTTP API: what reaches decode (the constraint
 in ``SamplingParameters``, the tools in the rendered prompt), and how the output comes back
 (``tool_calls``, streamed deltas, ``finish_reason``). A real gateway in front of fake
-workers scripted with the model's text; parsing (gateway.http.tool_calls) unit-tested first.
+workers scripted with the model's text; parsing (gateway.tools.calls) unit-tested first.
 The real model end to end is in test_e2e_structured.py.
 """
 
@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from gateway.http.tool_calls import parse_tool_calls
-from gateway.http.tools import ToolChoice, parse_tools
+from gateway.tools.calls import parse_tool_calls
+from gateway.tools.plan import ToolChoice, parse_tools
 from gateway.served_model import ServedModel
 from tests.fake_workers import FakeDecodeWorker, Script, fake_workers
 from tests.http_helpers import MODEL, ids_of, running_http
@@ -135,13 +135,53 @@ async def test_auto_streams_a_call_once_complete_and_plain_text_as_content(
         chunks = [c async for c in stream]
         decode.script = Script(token_ids=ids_of(served_smollm2, "Sunny."), chunk=1)
         plain = await gw.client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS)
-    (delta,) = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
-    assert delta.function.name == "get_weather"
-    assert json.loads(delta.function.arguments) == {"city": "Oslo"}
+    first, *rest = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert first.id and first.function.name == "get_weather" and rest  # arguments follow
+    arguments = "".join(d.function.arguments or "" for d in [first, *rest])
+    assert json.loads(arguments) == {"city": "Oslo"}
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     assert not decode.requests[0].sampling_params.HasField("json_schema")
     assert plain.choices[0].message.content == "Sunny." and not plain.choices[0].message.tool_calls
     assert plain.choices[0].finish_reason == "stop"
+
+
+STREAMED_REPLIES = [
+    '{"name": "get_weather", "parameters": {"city": "Oslo", "days": 2}}',
+    '{"name": "get_time", "parameters": {}};\n{"name": "get_weather", "parameters": '
+    '{"city": "Lima"}}',  # two calls
+    '{"city": "Rome"} is not a call.',  # looks like JSON, is not a call
+    "It is sunny.",
+]
+
+
+@pytest.mark.parametrize("reply", STREAMED_REPLIES)
+async def test_auto_and_required_streams_reassemble_into_the_whole_response(
+    served_smollm2: ServedModel, reply: str
+) -> None:
+    decode = FakeDecodeWorker()
+    decode.script = Script(token_ids=ids_of(served_smollm2, reply), chunk=1)
+    async with fake_workers([decode]) as (d, _), running_http(served_smollm2, d) as gw:
+        whole = await gw.client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS)
+        stream = await gw.client.chat.completions.create(
+            model=MODEL, messages=USER, tools=TOOLS, stream=True
+        )
+        chunks = [c async for c in stream]
+    message = whole.choices[0].message
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    calls: dict[int, list[str]] = {}
+    for c in chunks:
+        for tc in c.choices[0].delta.tool_calls or []:
+            if tc.id:  # a call opens with its id and whole name
+                assert tc.index not in calls and tc.function.name
+                calls[tc.index] = [tc.function.name, ""]
+            calls[tc.index][1] += tc.function.arguments or ""
+    expected = [(t.function.name, t.function.arguments) for t in message.tool_calls or []]
+    assert [tuple(v) for _, v in sorted(calls.items())] == expected
+    assert content == (message.content or "")
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    if expected:  # streamed as generated: the first call opened before the last token
+        opened = next(i for i, c in enumerate(chunks) if c.choices[0].delta.tool_calls)
+        assert opened < len(chunks) - 3
 
 
 async def test_a_tool_result_round_trips_through_the_template(

@@ -2,7 +2,8 @@
 
 Generate maps the proto onto the one request path (gateway.generation: validate ->
 tokenize -> dispatch -> detokenize, stop strings -> deltas) and the deltas back onto
-protos. Errors are raised as typed exceptions and turned into status codes by the one
+protos; with tools (gateway.grpc_api.tools) a choice's last message carries its parsed calls.
+Errors are raised as typed exceptions and turned into status codes by the one
 interceptor (rpc.errors). Being cancelled (the client went away, or its deadline passed)
 closes the delta stream, which cancels the ``Decode`` call downstream. A ``traceparent``
 in the call's metadata becomes the parent of the request's spans.
@@ -16,7 +17,7 @@ from collections.abc import AsyncIterator
 import grpc.aio
 
 from gateway.generation import Generation
-from gateway.grpc_api.request import validate_generate_request
+from gateway.grpc_api.tools import ReplyCalls, tool_call_to_proto, validate_tool_request
 from gateway.text.output_processor import GenerateDelta
 from protos.baton.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from rpc.convert import (
@@ -41,11 +42,17 @@ class BatonServicer(generate_pb2_grpc.BatonServicer):
         deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
         parent = context_from_metadata(context.invocation_metadata())
         with gen.request_span("grpc.Generate", parent) as tr:
-            req, rid = gen.validate(
-                lambda card: validate_generate_request(request, card), tr, lambda r: r
+            (req, plan), rid = gen.validate(
+                lambda card: validate_tool_request(request, card), tr, lambda r: r[0]
             )
+            calls = ReplyCalls(plan) if plan is not None else None
             async for delta in gen.stream(req, rid, tr, deadline=deadline):
-                yield _to_proto(rid, delta)
+                msg = _to_proto(rid, delta)
+                parsed = calls.add(delta) if calls is not None else None
+                if parsed is not None:
+                    msg.tool_calls.extend(tool_call_to_proto(c) for c in parsed)
+                    msg.finish_reason = common_pb2.FINISH_REASON_TOOL_CALLS
+                yield msg
 
     async def ModelInfo(  # noqa: N802
         self, request: generate_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext

@@ -37,6 +37,7 @@ from starlette.routing import Route
 from engine.errors import DeadlineExceededError, ResourceExhaustedError
 from gateway.generation import Generation
 from gateway.http.errors import BodyTooLargeError, HttpError, http_error_for
+from gateway.http.prompt_only import prompt_only
 from gateway.http.request import REQUEST_ID_HEADER, Endpoint, OpenAIRequest, parse_request
 from gateway.http.response import SSE_DONE, ResponseBuilder, sse_event
 from gateway.text.output_processor import GenerateDelta
@@ -154,7 +155,7 @@ class _Api:
             )
             yield _Started(req, rid)
             async for delta in gen.stream(req.input, rid, tr, deadline=deadline):
-                yield delta
+                yield prompt_only(delta) if req.prompt_only else delta
 
     async def _whole(
         self, started: _Started, events: AsyncGenerator[_Started | GenerateDelta, None]

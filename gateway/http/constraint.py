@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from engine.constraint import Constraint, ConstraintKind
-from gateway.validation import FieldError
+from gateway.validation import FieldError, make_constraint, schema_constraint
 from gateway.validation import json_kind as _kind
 
 # Top-level body fields this module reads.
@@ -54,15 +54,6 @@ def request_constraint(b: Mapping[str, Any]) -> tuple[Constraint, str] | None:
             second, f"{second} sets a second output constraint; {first} already sets one"
         )
     return found[0] if found else None
-
-
-def schema_constraint(schema: object, path: str) -> Constraint:
-    """A JSON schema (an object) as a constraint; its text is canonical, so the same
-    schema compiles once whatever its key order."""
-    if not isinstance(schema, Mapping):
-        raise FieldError(path, f"{path} must be a JSON schema object, got {_kind(schema)}")
-    text = json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return _make(ConstraintKind.JSON_SCHEMA, path, spec=text)
 
 
 def _response_format(value: object) -> list[tuple[Constraint, str]]:
@@ -138,15 +129,7 @@ def _build(kind: ConstraintKind, value: object, path: str) -> Constraint:
     if kind is ConstraintKind.CHOICE:
         if not isinstance(value, list):
             raise FieldError(path, f"{path} must be a list of strings, got {_kind(value)}")
-        return _make(kind, path, choices=tuple(value))
+        return make_constraint(kind, path, choices=tuple(value))
     if not isinstance(value, str):
         raise FieldError(path, f"{path} must be a string, got {_kind(value)}")
-    return _make(kind, path, spec=value)
-
-
-def _make(kind: ConstraintKind, path: str, **fields: Any) -> Constraint:
-    try:
-        return Constraint(kind, **fields)
-    except ValueError as exc:  # "choice[2] must be ..." / "regex must be ..."
-        message = str(exc).removeprefix(kind.value)
-        raise FieldError(path, f"{path}{message}") from exc
+    return make_constraint(kind, path, spec=value)

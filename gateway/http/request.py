@@ -25,13 +25,14 @@ from typing import Any
 
 from engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from gateway.http.constraint import CONSTRAINT_FIELDS, request_constraint
-from gateway.http.tools import (
+from gateway.http.prompt_only import DOWNSTREAM_MAX_TOKENS
+from gateway.served_model import ModelCard
+from gateway.tools.plan import (
     ToolPlan,
     assistant_calls_text,
     parse_tools,
     with_tools_prompt,
 )
-from gateway.served_model import ModelCard
 from gateway.validation import (
     FieldError,
     GenerateInput,
@@ -128,7 +129,7 @@ _MESSAGE_ROLES = {
     "assistant": "assistant",
     "tool": "tool",
 }
-# Message keys beyond role and content, by role (tool calling: gateway.http.tools).
+# Message keys beyond role and content, by role (tool calling: gateway.tools.plan).
 _MESSAGE_KEYS = {"assistant": ("tool_calls",), "tool": ("tool_call_id", "name")}
 
 
@@ -155,6 +156,9 @@ class OpenAIRequest:
     # Completions only: the response starts with the prompt (and, with logprobs, the
     # prompt tokens' logprobs: input.params.prompt_logprobs).
     echo: bool = False
+    # Completions, echo with max_tokens 0: the prompt and its logprobs only; downstream
+    # the request generates one token, which gateway.http.prompt_only keeps from the client.
+    prompt_only: bool = False
 
 
 def parse_request(
@@ -203,6 +207,9 @@ def parse_request(
         default_max_tokens = card.max_model_len  # the engine stops at the context limit
         logprobs_field, logprobs = _chat_logprobs(b)
     echo = b.get("echo", False)
+    prompt_only = echo and _same(b.get(max_tokens_field), 0)
+    if prompt_only:  # log-likelihood: nothing generated that the client sees
+        b[max_tokens_field] = DOWNSTREAM_MAX_TOKENS
     params = _sampling_params(
         b, card, (max_tokens_field, default_max_tokens), (logprobs_field, logprobs), plan
     )
@@ -230,6 +237,7 @@ def parse_request(
         logprobs=logprobs is not None,
         tools=plan,
         echo=echo,
+        prompt_only=prompt_only,
     )
 
 

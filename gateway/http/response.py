@@ -7,13 +7,14 @@ accumulates for ``response()``, the non-streaming body. Log-probabilities come i
 endpoint's own shape: ``{tokens, token_logprobs, top_logprobs, text_offset}`` for
 completions, ``{content: [{token, logprob, bytes, top_logprobs}]}`` for chat.
 
-Tool calls (a request with ``tools``; gateway.http.tools): the message carries
+Tool calls (a request with ``tools``; gateway.tools.plan): the message carries
 ``tool_calls`` (content null) and the finish reason is ``tool_calls`` when the output
-parses as calls (gateway.http.tool_calls); otherwise the text is the content, as without
+parses as calls (gateway.tools.calls); otherwise the text is the content, as without
 tools. Streaming a named function's call sends the arguments as they are generated
 (``tool_calls[0].function.arguments`` deltas after one delta with its id and name); with
-``auto`` or ``required`` the text is held until the end, then sent as the calls (one
-delta) or as content. With ``n > 1`` each choice is shaped on its own.
+``auto`` or ``required`` the reply is read as it streams (gateway.tools.call_stream):
+content as content, each call opened once its name is complete, its arguments as they
+are generated. With ``n > 1`` each choice is shaped on its own.
 
 baton's one extension: ``baton_timings``, the request's per-phase timings in seconds
 (``queued_s``, ``reserved_s``, ``prefill_s``, ``transfer_s``, ``first_token_s``,
@@ -32,9 +33,10 @@ from typing import Any
 from engine.errors import AbortedError
 from engine.request import FinishReason, RequestTimings, TokenLogprob
 from gateway.http.request import Endpoint, OpenAIRequest
-from gateway.http.tool_calls import new_call_id, parse_tool_calls
-from gateway.http.tools import ToolChoice
 from gateway.text.output_processor import GenerateDelta, Usage
+from gateway.tools.call_stream import ToolCallStream, stream_delta
+from gateway.tools.calls import new_call_id, parse_tool_calls
+from gateway.tools.plan import ToolChoice
 
 SSE_DONE = b"data: [DONE]\n\n"
 TIMINGS_KEY = "baton_timings"  # baton's extension field (see the module doc)
@@ -81,8 +83,8 @@ class _Choice:
     sent_role: bool = False
     echo_pending: bool = False
     named_call_id: str | None = None  # a streamed named tool call, once it opened
-    held_text: list[str] = field(default_factory=list)  # auto/required: held until the end
-    held_logprobs: dict[str, list[Any]] = field(default_factory=dict)
+    calls: ToolCallStream | None = None  # auto/required: the reply read as it streams
+    held_logprobs: dict[str, list[Any]] = field(default_factory=dict)  # not yet sent
 
 
 class ResponseBuilder:
@@ -169,20 +171,20 @@ class ResponseBuilder:
                 reason = "tool_calls" if finish == "stop" else finish
                 out.append(self._chunk(index, {}, None, reason))
             return out
-        c.held_text.append(text)
         for key, values in (logprobs or {}).items():
             c.held_logprobs.setdefault(key, []).extend(values)
-        if finish is None:
-            return out
-        whole = "".join(c.held_text)
-        held = c.held_logprobs if self._req.logprobs else None
-        calls = parse_tool_calls(whole, self._plan)
-        if calls is None:
-            out.append(self._chunk(index, {"content": whole} if whole else {}, held, finish))
-        else:
-            deltas = [{"index": i, **call.as_dict()} for i, call in enumerate(calls)]
-            out.append(self._chunk(index, {"tool_calls": deltas}, held, None))
-            out.append(self._chunk(index, {}, None, "tool_calls"))
+        if c.calls is None:
+            c.calls = ToolCallStream(self._plan)
+        events = c.calls.feed(text)
+        if finish is not None:
+            events += c.calls.finish()
+        for event in events:
+            held = (c.held_logprobs or None) if self._req.logprobs else None
+            c.held_logprobs = {}
+            out.append(self._chunk(index, stream_delta(event), held, None))
+        if finish is not None:
+            held = (c.held_logprobs or None) if self._req.logprobs else None
+            out.append(self._chunk(index, {}, held, "tool_calls" if c.calls.called else finish))
         return out
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:

@@ -19,8 +19,9 @@ with the worker's message.
 Once tokens have reached the caller, a failure that means the decode worker is gone or
 leaving *moves* the request (``gateway.routing.migration``): a new ``Decode`` on another decode
 worker resumes it from the last token the caller has, up to ``max_migrations`` times per
-request; the caller's stream goes on with no gap and no duplicate. Past the bound, or on
-any other failure, the request ends with the failure's status (UNAVAILABLE naming the
+request; the caller's stream goes on with no gap and no duplicate (with n > 1 choices,
+each unfinished choice goes on as its own stream: gateway.routing.choice_moves). Past the bound,
+or on any other failure, the request ends with the failure's status (UNAVAILABLE naming the
 bound for the former). Each move is one warning line, a ``baton.migration`` event on the
 next attempt's ``gateway.route`` span, and a call to ``DecodeJob.on_move``.
 
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
@@ -52,6 +54,7 @@ from engine.errors import (
 )
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
+from gateway.routing.choice_moves import ChoicesProgress, choice_request_id, merge_choices
 from gateway.routing.migration import BrokenStreamError, Move, StreamProgress, move_reason
 from gateway.routing.router import Router
 from gateway.routing.workers import Route, WorkerKind
@@ -77,6 +80,15 @@ class DecodeJob:
     trace_context: Context | None = None  # the parent of this job's spans and of decode's
     # Called once per move of the request to another decode worker (metric, usage).
     on_move: Callable[[Move], None] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Resumption:
+    """Where a moved choice of an n > 1 request continues from (gateway.routing.choice_moves)."""
+
+    progress: StreamProgress  # its tokens so far, its moves so far
+    moved: Move | None  # the move to report with its first route (once per request)
+    left_behind: tuple[str, ...]  # decode workers the request's stream failed on
 
 
 class Dispatcher:
@@ -107,17 +119,20 @@ class Dispatcher:
         self._router.check_room(admitted)
 
     async def stream(
-        self, job: DecodeJob, *, timeout: float | None
+        self, job: DecodeJob, *, timeout: float | None, resume: Resumption | None = None
     ) -> AsyncGenerator[RequestOutput, None]:
         """The decode outputs of ``job``, the last one finished.
 
         ``timeout`` (seconds; None: no deadline) bounds every attempt and move together.
         Raises the typed error of the last failure (UnavailableError, AbortedError,
-        ValueError, ...).
+        ValueError, ...). ``resume``: the job continues a moved choice of an n > 1
+        request (gateway.routing.choice_moves).
         """
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         progress = StreamProgress(job.prompt_token_ids, job.params)
+        # Per choice, for a move of an n > 1 request.
+        choices = ChoicesProgress(job.params.n) if job.params.n > 1 else None
         failed_prefill: list[str] = []
         # Workers that answered RESOURCE_EXHAUSTED to this request, by the role that ran out.
         full_decode: list[str] = []
@@ -128,6 +143,10 @@ class Dispatcher:
         left_behind: list[str] = []  # decode workers a stream of this request failed on
         attempt = 0
         moved: Move | None = None  # the move the next attempt makes, if it makes one
+        if resume is not None:
+            progress, moved = resume.progress, resume.moved
+            failed_decode += resume.left_behind
+            left_behind += resume.left_behind
         while True:
             attempt += 1
             prompt, params = progress.resume()
@@ -173,6 +192,8 @@ class Dispatcher:
                     attempt_outs = self._attempt(route, request, remaining, metadata)
                     async with contextlib.aclosing(attempt_outs) as outs:
                         async for out in outs:
+                            if choices is not None:
+                                choices.record(out)
                             yield progress.record(out)
                 return
             except (UnavailableError, AbortedError, ResourceExhaustedError) as exc:
@@ -183,6 +204,15 @@ class Dispatcher:
                     failed_decode.append(route.decode)
                     left_behind.append(route.decode)
                     await self._probe(Route(decode=route.decode, prefill=""))
+                    if choices is not None:
+                        left = None if deadline is None else deadline - loop.time()
+                        moving = self._move_choices(
+                            job, choices, progress, moved, left_behind, left
+                        )
+                        async with contextlib.aclosing(merge_choices(moving)) as outs:
+                            async for out in outs:
+                                yield out
+                        return
                     continue
                 if attempt >= self._max_attempts:
                     raise
@@ -233,6 +263,27 @@ class Dispatcher:
             role,
         )
 
+    def _move_choices(
+        self,
+        job: DecodeJob,
+        choices: ChoicesProgress,
+        progress: StreamProgress,
+        move: Move,
+        left_behind: Sequence[str],
+        timeout: float | None,
+    ) -> dict[int, AsyncGenerator[RequestOutput, None]]:
+        """Each unfinished choice of an n > 1 request, continued as its own stream
+        (gateway.routing.choice_moves); the move is reported once, with the first of them."""
+        streams = {}
+        resumes = choices.resumes(list(job.prompt_token_ids), job.params, progress.moves)
+        for k, (i, resumed) in enumerate(resumes.items()):
+            sub = dataclasses.replace(
+                job, request_id=choice_request_id(job.request_id, i), params=job.params.choice(i)
+            )
+            resume = Resumption(resumed, move if k == 0 else None, tuple(left_behind))
+            streams[i] = self.stream(sub, timeout=timeout, resume=resume)
+        return streams
+
     def _move_or_raise(
         self, job: DecodeJob, progress: StreamProgress, route: Route, exc: Exception
     ) -> Move:
@@ -241,13 +292,6 @@ class Dispatcher:
         reason = move_reason(exc)
         if reason is None:
             raise exc
-        if job.params.n > 1:
-            # Its choices share one stream; a move resumes one sequence, not n of them.
-            raise UnavailableError(
-                f"request {job.request_id}: decode worker {route.decode} failed after "
-                f"tokens were sent ({reason.value}: {exc}) and a request with n > 1 "
-                f"({job.params.n} choices) cannot move"
-            ) from exc
         if progress.moves >= self._max_migrations:
             bound = (
                 "moving requests is off (--max-migrations 0)"

@@ -61,6 +61,7 @@ class FinishReason(enum.StrEnum):
     LENGTH = "length"  # max_tokens or the model's length limit
     STOP_STRING = "stop_string"  # one of the request's stop strings matched
     ABORT = "abort"  # cancelled or aborted before it finished
+    TOOL_CALLS = "tool_calls"  # the reply parsed as calls of the request's tools
 
 
 _FINISH_REASONS = {
@@ -68,6 +69,7 @@ _FINISH_REASONS = {
     common_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
     common_pb2.FINISH_REASON_STOP_STRING: FinishReason.STOP_STRING,
     common_pb2.FINISH_REASON_ABORT: FinishReason.ABORT,
+    common_pb2.FINISH_REASON_TOOL_CALLS: FinishReason.TOOL_CALLS,
 }
 
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.baton.v1 import common_pb2 as baton_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x62\x61ton/v1/generate.proto\x12\x08\x62\x61ton.v1\x1a\x15\x62\x61ton/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"7\n\x0c\x43hatMessages\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.baton.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xeb\x02\n\x0fGenerateRequest\x12\x17\n\nrequest_id\x18\x01 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12&\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x16.baton.v1.ChatMessagesH\x00\x12\'\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x12.baton.v1.TokenIdsH\x00\x12\x35\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x1c.baton.v1.SamplingParameters\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\'\n\x1ainclude_stop_str_in_output\x18\x07 \x01(\x08H\x02\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x08 \x01(\x08H\x03\x88\x01\x01\x42\x08\n\x06promptB\r\n\x0b_request_idB\x1d\n\x1b_include_stop_str_in_outputB\x16\n\x14_skip_special_tokens\"\xab\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12(\n\x08logprobs\x18\x04 \x03(\x0b\x32\x16.baton.v1.TokenLogprob\x12-\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12\x1e\n\x05usage\x18\x06 \x01(\x0b\x32\x0f.baton.v1.Usage\x12)\n\x07timings\x18\x07 \x01(\x0b\x32\x18.baton.v1.RequestTimings\x12/\n\x0fprompt_logprobs\x18\x1e \x03(\x0b\x32\x16.baton.v1.TokenLogprob\x12\r\n\x05index\x18\x1f \x01(\r\"\x12\n\x10ModelInfoRequest\"\x98\x01\n\x11ModelInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x19\n\x11has_chat_template\x18\x05 \x01(\x08\x12\x14\n\x0cmax_logprobs\x18\x06 \x01(\r2\x92\x01\n\x05\x42\x61ton\x12\x43\n\x08Generate\x12\x19.baton.v1.GenerateRequest\x1a\x1a.baton.v1.GenerateResponse0\x01\x12\x44\n\tModelInfo\x12\x1a.baton.v1.ModelInfoRequest\x1a\x1b.baton.v1.ModelInfoResponseBf\n\x0c\x63om.baton.v1B\rGenerateProtoP\x01Z\x1d\x62\x61ton/gen/go/baton/v1;batonv1\xa2\x02\x03\x42XX\xaa\x02\x08\x42\x61ton.V1\xca\x02\x08\x42\x61ton\\V1\xea\x02\tBaton::V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x62\x61ton/v1/generate.proto\x12\x08\x62\x61ton.v1\x1a\x15\x62\x61ton/v1/common.proto\"\x80\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12&\n\ntool_calls\x18\x03 \x03(\x0b\x32\x12.baton.v1.ToolCall\x12\x19\n\x0ctool_call_id\x18\x04 \x01(\tH\x00\x88\x01\x01\x42\x0f\n\r_tool_call_id\"[\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x1c\n\x0fparameters_json\x18\x03 \x01(\tH\x00\x88\x01\x01\x42\x12\n\x10_parameters_json\"Y\n\nToolChoice\x12(\n\x04mode\x18\x01 \x01(\x0e\x32\x18.baton.v1.ToolChoiceModeH\x00\x12\x17\n\rfunction_name\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"7\n\x0c\x43hatMessages\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.baton.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xb5\x03\n\x0fGenerateRequest\x12\x17\n\nrequest_id\x18\x01 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12&\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x16.baton.v1.ChatMessagesH\x00\x12\'\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x12.baton.v1.TokenIdsH\x00\x12\x35\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x1c.baton.v1.SamplingParameters\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\'\n\x1ainclude_stop_str_in_output\x18\x07 \x01(\x08H\x02\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x08 \x01(\x08H\x03\x88\x01\x01\x12\x1d\n\x05tools\x18( \x03(\x0b\x32\x0e.baton.v1.Tool\x12)\n\x0btool_choice\x18) \x01(\x0b\x32\x14.baton.v1.ToolChoiceB\x08\n\x06promptB\r\n\x0b_request_idB\x1d\n\x1b_include_stop_str_in_outputB\x16\n\x14_skip_special_tokens\"\xd3\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12(\n\x08logprobs\x18\x04 \x03(\x0b\x32\x16.baton.v1.TokenLogprob\x12-\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12\x1e\n\x05usage\x18\x06 \x01(\x0b\x32\x0f.baton.v1.Usage\x12)\n\x07timings\x18\x07 \x01(\x0b\x32\x18.baton.v1.RequestTimings\x12/\n\x0fprompt_logprobs\x18\x1e \x03(\x0b\x32\x16.baton.v1.TokenLogprob\x12\r\n\x05index\x18\x1f \x01(\r\x12&\n\ntool_calls\x18  \x03(\x0b\x32\x12.baton.v1.ToolCall\"\x12\n\x10ModelInfoRequest\"\x98\x01\n\x11ModelInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x19\n\x11has_chat_template\x18\x05 \x01(\x08\x12\x14\n\x0cmax_logprobs\x18\x06 \x01(\r*\x87\x01\n\x0eToolChoiceMode\x12 \n\x1cTOOL_CHOICE_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15TOOL_CHOICE_MODE_NONE\x10\x01\x12\x19\n\x15TOOL_CHOICE_MODE_AUTO\x10\x02\x12\x1d\n\x19TOOL_CHOICE_MODE_REQUIRED\x10\x03\x32\x92\x01\n\x05\x42\x61ton\x12\x43\n\x08Generate\x12\x19.baton.v1.GenerateRequest\x1a\x1a.baton.v1.GenerateResponse0\x01\x12\x44\n\tModelInfo\x12\x1a.baton.v1.ModelInfoRequest\x1a\x1b.baton.v1.ModelInfoResponseBf\n\x0c\x63om.baton.v1B\rGenerateProtoP\x01Z\x1d\x62\x61ton/gen/go/baton/v1;batonv1\xa2\x02\x03\x42XX\xaa\x02\x08\x42\x61ton.V1\xca\x02\x08\x42\x61ton\\V1\xea\x02\tBaton::V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,20 +33,28 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.baton.v1.generate_pb
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\014com.baton.v1B\rGenerateProtoP\001Z\035baton/gen/go/baton/v1;batonv1\242\002\003BXX\252\002\010Baton.V1\312\002\010Baton\\V1\352\002\tBaton::V1'
-  _globals['_CHATMESSAGE']._serialized_start=60
-  _globals['_CHATMESSAGE']._serialized_end=104
-  _globals['_CHATMESSAGES']._serialized_start=106
-  _globals['_CHATMESSAGES']._serialized_end=161
-  _globals['_TOKENIDS']._serialized_start=163
-  _globals['_TOKENIDS']._serialized_end=186
-  _globals['_GENERATEREQUEST']._serialized_start=189
-  _globals['_GENERATEREQUEST']._serialized_end=552
-  _globals['_GENERATERESPONSE']._serialized_start=555
-  _globals['_GENERATERESPONSE']._serialized_end=854
-  _globals['_MODELINFOREQUEST']._serialized_start=856
-  _globals['_MODELINFOREQUEST']._serialized_end=874
-  _globals['_MODELINFORESPONSE']._serialized_start=877
-  _globals['_MODELINFORESPONSE']._serialized_end=1029
-  _globals['_BATON']._serialized_start=1032
-  _globals['_BATON']._serialized_end=1178
+  _globals['_TOOLCHOICEMODE']._serialized_start=1472
+  _globals['_TOOLCHOICEMODE']._serialized_end=1607
+  _globals['_CHATMESSAGE']._serialized_start=61
+  _globals['_CHATMESSAGE']._serialized_end=189
+  _globals['_TOOL']._serialized_start=191
+  _globals['_TOOL']._serialized_end=282
+  _globals['_TOOLCHOICE']._serialized_start=284
+  _globals['_TOOLCHOICE']._serialized_end=373
+  _globals['_TOOLCALL']._serialized_start=375
+  _globals['_TOOLCALL']._serialized_end=430
+  _globals['_CHATMESSAGES']._serialized_start=432
+  _globals['_CHATMESSAGES']._serialized_end=487
+  _globals['_TOKENIDS']._serialized_start=489
+  _globals['_TOKENIDS']._serialized_end=512
+  _globals['_GENERATEREQUEST']._serialized_start=515
+  _globals['_GENERATEREQUEST']._serialized_end=952
+  _globals['_GENERATERESPONSE']._serialized_start=955
+  _globals['_GENERATERESPONSE']._serialized_end=1294
+  _globals['_MODELINFOREQUEST']._serialized_start=1296
+  _globals['_MODELINFOREQUEST']._serialized_end=1314
+  _globals['_MODELINFORESPONSE']._serialized_start=1317
+  _globals['_MODELINFORESPONSE']._serialized_end=1469
+  _globals['_BATON']._serialized_start=1610
+  _globals['_BATON']._serialized_end=1756
 # @@protoc_insertion_point(module_scope)

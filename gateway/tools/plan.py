@@ -10,7 +10,7 @@ one per line, and a ``tool`` message as a ``tool`` turn.
 
 ``tool_choice``:
 - ``none``: the tools are not shown and no call is parsed;
-- ``auto`` (the default with tools): free generation; ``gateway.http.tool_calls`` parses the
+- ``auto`` (the default with tools): free generation; ``gateway.tools.calls`` parses the
   output as calls when it is one (else it is the message's content);
 - ``required``: generated under a JSON schema for a non-empty array of calls, each an
   object naming one of the tools with arguments valid under that tool's parameters;
@@ -28,8 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.constraint import Constraint
-from gateway.http.constraint import schema_constraint
-from gateway.validation import FieldError
+from gateway.validation import FieldError, schema_constraint
 from gateway.validation import json_kind as _kind
 
 MAX_TOOLS = 128
@@ -69,12 +68,15 @@ class ToolPlan:
     choice: ToolChoice
     named: str | None = None  # the function, when choice is NAMED
 
-    def constraint(self) -> tuple[Constraint, str] | None:
+    def constraint(
+        self, parameters_field: str = "function.parameters"
+    ) -> tuple[Constraint, str] | None:
         """What the output is generated under, and the field its schema came from (None:
-        free text)."""
+        free text). ``parameters_field``: where a tool's schema sits under ``tools[i]``
+        (the HTTP body's spelling by default; baton.v1 names its own)."""
         if self.choice is ToolChoice.NAMED:
             tool = next(t for t in self.tools if t.name == self.named)
-            path = f"tools[{self.tools.index(tool)}].function.parameters"
+            path = f"tools[{self.tools.index(tool)}].{parameters_field}"
             return schema_constraint(tool.parameters, path), path
         if self.choice is ToolChoice.REQUIRED:
             calls = [
@@ -130,12 +132,7 @@ def _tool(value: object, path: str) -> Tool:
     for key in function:
         if key not in ("name", "description", "parameters", "strict"):
             raise FieldError(f"{path}.function.{key}", f"{path}.function.{key} is not supported")
-    name = function.get("name")
-    if not isinstance(name, str) or not _NAME.match(name):
-        raise FieldError(
-            f"{path}.function.name",
-            f"{path}.function.name must be 1-64 letters, digits, '_' or '-', got {name!r}",
-        )
+    name = check_tool_name(function.get("name"), f"{path}.function.name")
     description = function.get("description") or ""
     if not isinstance(description, str):
         raise FieldError(
@@ -150,6 +147,12 @@ def _tool(value: object, path: str) -> Tool:
             f"{path}.function.parameters must be a JSON schema object",
         )
     return Tool(name, description, parameters)
+
+
+def check_tool_name(name: object, field: str) -> str:
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise FieldError(field, f"{field} must be 1-64 letters, digits, '_' or '-', got {name!r}")
+    return name
 
 
 def _tool_choice(value: object, has_tools: bool) -> tuple[ToolChoice, str | None]:

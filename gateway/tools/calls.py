@@ -1,4 +1,4 @@
-"""Reading tool calls out of a chat completion's text (``gateway.http.tools`` says how
+"""Reading tool calls out of a chat completion's text (``gateway.tools.plan`` says how
 they were asked for).
 
 - a named function: the text is the arguments object;
@@ -6,8 +6,12 @@ they were asked for).
 - ``auto``: Llama 3's JSON calls, as the model wrote them: one object
   ``{"name": ..., "parameters" | "arguments": {...}}``, several separated by ``;`` or
   newlines, or a JSON array of them; optionally after Llama 3.1's ``<|python_tag|>``
-  or inside Hermes-style ``<tool_call>...</tool_call>`` tags. Every name must be one of
-  the request's tools; text that is not such a call is the message's content.
+  or inside Hermes-style ``<tool_call>...</tool_call>`` tags that lead the reply. Every
+  name must be one of the request's tools; text that is not such a call is the
+  message's content.
+
+A reply can only be calls when it starts (after whitespace) with ``{``, ``[`` or one of
+``CALL_MARKERS``: ``gateway.tools.call_stream`` streams everything else as content.
 """
 
 from __future__ import annotations
@@ -18,9 +22,13 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.http.tools import ToolChoice, ToolPlan
+from gateway.tools.plan import ToolChoice, ToolPlan
 
 _TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+PYTHON_TAG = "<|python_tag|>"
+TAG_OPEN = "<tool_call>"
+CALL_MARKERS = (PYTHON_TAG, TAG_OPEN)  # what may lead a reply that is calls
+ARGUMENT_KEYS = ("parameters", "arguments")  # a call's arguments, by either name
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,8 +58,8 @@ def parse_tool_calls(text: str, plan: ToolPlan) -> list[ToolCall] | None:
         assert plan.named is not None
         return [ToolCall(new_call_id(), plan.named, json.dumps(args, ensure_ascii=False))]
     names = {t.name for t in plan.tools}
-    body = text.strip().removeprefix("<|python_tag|>").strip()
-    tagged = _TAGGED.findall(body)
+    body = text.strip().removeprefix(PYTHON_TAG).strip()
+    tagged = _TAGGED.findall(body) if body.startswith(TAG_OPEN) else None
     if tagged:
         body = "\n".join(tagged)
     items = _loads(body)
@@ -66,7 +74,7 @@ def parse_tool_calls(text: str, plan: ToolPlan) -> list[ToolCall] | None:
     for item in items:
         if not isinstance(item, dict) or item.get("name") not in names:
             return None
-        args = item.get("parameters", item.get("arguments", {}))
+        args = item.get(ARGUMENT_KEYS[0], item.get(ARGUMENT_KEYS[1], {}))
         if isinstance(args, str):  # some models write the arguments as JSON text
             args = _loads(args)
         if not isinstance(args, dict):
