@@ -318,3 +318,27 @@ def unused_tcp_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+async def test_a_worker_that_streams_is_up_while_its_stats_are_late() -> None:
+    """A decode worker too busy to answer Stats in time but still streaming tokens stays
+    routable (so requests moved off a dead worker have somewhere to go); once its streams
+    stop too, it goes down after down_after_s as any silent worker does."""
+    busy = FakeDecodeWorker()
+    busy.script = Script(token_ids=list(range(40)), delay_s=0.05)  # a 2 s stream
+    async with fake_workers([busy]) as (d, _):
+        router = make_router([d[0].address], down_after_s=0.6)
+        async with running(router):
+            await eventually(lambda: up_addresses(router) == {d[0].address})
+            dispatcher = Dispatcher(router, router._channels, max_retries=0)
+            job = DecodeJob("r", [1], SamplingParams(max_tokens=40))
+            stream = dispatcher.stream(job, timeout=10.0)
+            first = await anext(stream)
+            busy.stats_error = errors.DeadlineExceededError("engine busy")
+            rest = []
+            async for out in stream:  # 2 s of tokens: more than three times down_after_s
+                rest.append(out)
+                assert up_addresses(router) == {d[0].address}
+            assert router.pick(1).decode == d[0].address
+            await eventually(lambda: not up_addresses(router), timeout=3.0)
+    assert [t for out in (first, *rest) for t in out.new_token_ids] == list(range(40))

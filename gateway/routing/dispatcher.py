@@ -192,6 +192,7 @@ class Dispatcher:
                     attempt_outs = self._attempt(route, request, remaining, metadata)
                     async with contextlib.aclosing(attempt_outs) as outs:
                         async for out in outs:
+                            self._router.heard_from(route.decode)
                             if choices is not None:
                                 choices.record(out)
                             yield progress.record(out)

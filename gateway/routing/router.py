@@ -372,6 +372,13 @@ class Router:
                 if worker.left and worker.in_flight == 0:
                     self._forget(worker)
 
+    def heard_from(self, address: str, kind: WorkerKind = WorkerKind.DECODE) -> None:
+        """A stream on the worker at ``address`` delivered a message: it is alive, even
+        while its Stats answers are late (see ``WorkerState.up``)."""
+        worker = self._workers[kind].get(address)
+        if worker is not None:
+            worker.last_streamed = time.monotonic()
+
     async def probe(self, address: str, kind: WorkerKind = WorkerKind.DECODE) -> bool:
         """Ask one worker for Stats now (after a failed request), and have the fleets looked
         up again soon. True when it answered as serving."""

@@ -1,7 +1,11 @@
 """What the gateway's router knows of each worker, and where one request attempt goes.
 
 A :class:`WorkerState` holds one worker's last Stats and the picks made since; it is *up*
-while its last answer said it serves and is at most ``down_after_s`` old.
+while its last answer said it serves and it was heard from at most ``down_after_s`` ago:
+a Stats answer, or a message on one of the streams it serves. A worker too busy to answer
+Stats in time (its cores taken by a burst, say) but still streaming tokens is alive, and
+marking it down would strand the requests that a failure elsewhere moves to it; one that
+died or hung stops streaming as well.
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ class WorkerState:
     prompt_tokens_since_poll: int = 0
     last_error: str = NOT_POLLED
     last_seen: float = 0.0  # time.monotonic() of the last serving answer
+    last_streamed: float = 0.0  # time.monotonic() of the last message of a stream it serves
     in_flight: int = 0  # streams routed here that have not ended
     ended_since_poll: int = 0  # of those, the ones that ended since the last answer
     # max_num_seqs + max_queued_requests as the worker reports them; 0: not reported.
@@ -75,12 +80,10 @@ class WorkerState:
 
     @property
     def up(self) -> bool:
-        """Routable: it said it serves, not longer than ``down_after_s`` ago."""
-        return (
-            self.serving
-            and not self.left
-            and time.monotonic() - self.last_seen <= self.down_after_s
-        )
+        """Routable: it said it serves, and was heard from (an answer or a streamed
+        message) not longer than ``down_after_s`` ago."""
+        heard = max(self.last_seen, self.last_streamed)
+        return self.serving and not self.left and time.monotonic() - heard <= self.down_after_s
 
     @property
     def occupancy(self) -> int:
