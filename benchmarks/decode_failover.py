@@ -17,7 +17,12 @@ phase's tokens are the reference for the others (agreement is reported, bf16 nea
 aside).
 
     python -m benchmarks.decode_failover [--requests 32] [--rate 1.0] [--at 0.5]
-        [--dtype bfloat16] [--results-dir benchmarks/results]
+        [--at-s S] [--prefill-workers 1] [--tag T] [--dtype bfloat16]
+        [--results-dir benchmarks/results]
+
+A burst (``--rate 1000 --at-s 8``: every request at once, the kill 8 s in, mid-stream)
+is the harder case: the surviving decode worker takes every moved request while it runs
+its own, on the cores it shares with the rest.
 """
 
 from __future__ import annotations
@@ -167,12 +172,14 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
     for _ in requests[1:]:
         at += rng.expovariate(opts.rate)
         arrivals.append(at)
-    disturb_at = arrivals[int(opts.at * (len(arrivals) - 1))]
+    disturb_at = (
+        opts.at_s if opts.at_s is not None else arrivals[int(opts.at * (len(arrivals) - 1))]
+    )
     spec = ClusterSpec(
         model=opts.model,
         mode="disaggregated",
         transport="shm",
-        num_prefill=1,
+        num_prefill=opts.prefill_workers,
         num_decode=2,
         dtype=opts.dtype,
         # The phases send the same prompts: without the prefix cache each phase computes
@@ -282,6 +289,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=32, help="the first N W1 requests")
     p.add_argument("--rate", type=float, default=1.0, help="Poisson arrivals, requests/s")
     p.add_argument("--at", type=float, default=0.5, help="disturb once this share arrived")
+    p.add_argument("--at-s", type=float, default=None, help="disturb this long after the start")
+    p.add_argument("--prefill-workers", type=int, default=1)
+    p.add_argument("--tag", default="", help="appended to the results file's name")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
@@ -305,13 +315,15 @@ def main(argv: list[str] | None = None) -> Path:
         *header_lines(command.strip(), None, load_before, load_after, now),
         "",
         f"Model {opts.model}, {opts.dtype}; {opts.requests} W1 requests at {opts.rate} req/s "
-        "(Poisson); 1 prefill + 2 decode workers over shm, default flags but the prefix "
+        f"(Poisson); {opts.prefill_workers} prefill + 2 decode workers over shm, default flags "
+        "but the prefix "
         "cache off (every phase sends the same prompts).",
     ]
     text = render(raw, header)
     raw.update(date=now.isoformat(timespec="seconds"), command=command.strip())
     opts.results_dir.mkdir(parents=True, exist_ok=True)
-    stem = opts.results_dir / f"decode_failover_{now:%Y-%m-%d}_{opts.dtype}"
+    tag = f"_{opts.tag}" if opts.tag else ""
+    stem = opts.results_dir / f"decode_failover_{now:%Y-%m-%d}_{opts.dtype}{tag}"
     stem.with_suffix(".json").write_text(json.dumps(raw, indent=2) + "\n")
     stem.with_suffix(".md").write_text(text)
     print(text, flush=True)
