@@ -213,3 +213,40 @@ async def test_bad_tools_are_invalid_argument_naming_the_field(
     assert not got and error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert error.details().startswith(field), error.details()
     assert len(decode.requests) == 1 and ok[-1].finish_reason  # nothing queued; still serving
+
+
+async def test_the_python_client_sends_tools_and_reads_the_calls(model: ServedModel) -> None:
+    """``protos.client``: ``tools`` and ``tool_choice`` reach the gateway as the proto's, a
+    call comes back as a ToolCall on the completion, and an assistant turn's calls and a
+    tool turn's id (OpenAI's shapes) round-trip through the chat."""
+    from protos.client import AsyncClient, FinishReason, Tool, ToolCall
+
+    decode = FakeDecodeWorker()
+    decode.script = Script(token_ids=ids_of(model, '{"city": "Oslo"}'))
+    weather = Tool("get_weather", "Weather in a city", WEATHER)
+    async with fake_workers([decode]) as (d, _), running_gateway(model, d) as gw:
+        async with AsyncClient(f"127.0.0.1:{gw.server.port}") as client:
+            done = await client.complete(
+                chat=[("user", "Weather in Oslo?")],
+                tools=[weather, Tool("get_time")],
+                tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            )
+            sent = decode.requests[-1]
+            decode.script = Script(token_ids=ids_of(model, "It is 3C."))
+            chat = [
+                {"role": "user", "content": "Weather in Oslo?"},
+                {"role": "assistant", "tool_calls": list(done.tool_calls)},
+                {"role": "tool", "content": '{"temp_c": 3}', "tool_call_id": done.tool_calls[0].id},
+            ]
+            reply = await client.complete(chat=chat, tools=[weather], tool_choice="auto")
+    assert sent.sampling_params.HasField("json_schema")  # the named call is constrained
+    assert done.finish_reason is FinishReason.TOOL_CALLS
+    (call,) = done.tool_calls
+    assert isinstance(call, ToolCall) and call.name == "get_weather"
+    assert call.parsed_arguments() == {"city": "Oslo"} and call.id.startswith("call_")
+    assert reply.text == "It is 3C." and not reply.tool_calls
+    prompt = prompt_of(model, decode)
+    assert (
+        '<|im_start|>assistant\n{"name": "get_weather", "parameters": {"city": "Oslo"}}' in prompt
+    )
+    assert '<|im_start|>tool\n{"temp_c": 3}<|im_end|>' in prompt

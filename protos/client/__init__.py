@@ -52,6 +52,7 @@ from protos.client.messages import (
     Usage,
 )
 from protos.client.sync_client import Client, Stream
+from protos.client.tools import Tool, ToolCall
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -74,6 +75,8 @@ __all__ = [
     "ServerError",
     "Stream",
     "TokenLogprob",
+    "Tool",
+    "ToolCall",
     "UnavailableError",
     "UnsupportedError",
     "Usage",

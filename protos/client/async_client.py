@@ -32,6 +32,7 @@ from protos.client.messages import (
     SamplingParams,
     generate_request,
 )
+from protos.client.tools import Tool, ToolChoiceSpec
 
 
 class AsyncStream(AsyncIterator[Chunk]):
@@ -134,6 +135,8 @@ class AsyncClient:
         include_stop_str_in_output: bool | None = None,
         skip_special_tokens: bool | None = None,
         request_id: str | None = None,
+        tools: Sequence[Tool] | None = None,
+        tool_choice: ToolChoiceSpec | None = None,
         timeout: Timeout = DEFAULT_TIMEOUT,
     ) -> AsyncStream:
         """Start one completion and return its :class:`AsyncStream` (not a coroutine:
@@ -148,6 +151,8 @@ class AsyncClient:
             include_stop_str_in_output=include_stop_str_in_output,
             skip_special_tokens=skip_special_tokens,
             request_id=request_id,
+            tools=tools,
+            tool_choice=tool_choice,
         )
         call = self._stub.Generate(
             request, timeout=resolve_timeout(timeout, self.timeout), metadata=self.metadata
@@ -165,6 +170,8 @@ class AsyncClient:
         include_stop_str_in_output: bool | None = None,
         skip_special_tokens: bool | None = None,
         request_id: str | None = None,
+        tools: Sequence[Tool] | None = None,
+        tool_choice: ToolChoiceSpec | None = None,
         timeout: Timeout = DEFAULT_TIMEOUT,
     ) -> Completion:
         """:meth:`generate`, read to its end and joined into one :class:`Completion`."""
@@ -177,6 +184,8 @@ class AsyncClient:
             include_stop_str_in_output=include_stop_str_in_output,
             skip_special_tokens=skip_special_tokens,
             request_id=request_id,
+            tools=tools,
+            tool_choice=tool_choice,
             timeout=timeout,
         ) as stream:
             return await stream.completion()

@@ -12,11 +12,14 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
+from typing import Any
 
 from protos.baton.v1 import common_pb2, generate_pb2
+from protos.client.tools import Tool, ToolCall, ToolChoiceSpec, add_tools, add_turn
 
-#: One chat turn: ``("user", "Hi!")`` or ``{"role": "user", "content": "Hi!"}``.
-ChatTurn = tuple[str, str] | Mapping[str, str]
+#: One chat turn: ``("user", "Hi!")`` or ``{"role": "user", "content": "Hi!"}``; a mapping
+#: may carry an assistant turn's ``tool_calls`` and a tool turn's ``tool_call_id``.
+ChatTurn = tuple[str, str] | Mapping[str, Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,10 +123,14 @@ class Chunk:
     timings: dict[str, float] | None = None
     index: int = 0
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    # With tools: on a choice's last chunk, the calls its reply made (finish_reason
+    # TOOL_CALLS); the text and token ids stream as without tools.
+    tool_calls: tuple[ToolCall, ...] = ()
 
     @classmethod
     def from_proto(cls, msg: generate_pb2.GenerateResponse) -> Chunk:
         return cls(
+            tool_calls=tuple(ToolCall.from_proto(c) for c in msg.tool_calls),
             request_id=msg.request_id,
             text=msg.text,
             token_ids=tuple(msg.token_ids),
@@ -169,6 +176,7 @@ class Completion:
     finish_reason: FinishReason
     usage: Usage
     timings: dict[str, float] | None = None  # as on the last chunk
+    tool_calls: tuple[ToolCall, ...] = ()  # as on the last chunk
 
     @classmethod
     def from_chunks(cls, chunks: Iterable[Chunk]) -> Completion:
@@ -186,6 +194,7 @@ class Completion:
             finish_reason=chunks[-1].finish_reason,
             usage=chunks[-1].usage,
             timings=chunks[-1].timings,
+            tool_calls=chunks[-1].tool_calls,
         )
 
 
@@ -222,6 +231,8 @@ def generate_request(
     include_stop_str_in_output: bool | None = None,
     skip_special_tokens: bool | None = None,
     request_id: str | None = None,
+    tools: Sequence[Tool] | None = None,
+    tool_choice: ToolChoiceSpec | None = None,
 ) -> generate_pb2.GenerateRequest:
     """The wire request. Exactly one of ``text``, ``chat`` or ``token_ids`` must be given
     (TypeError otherwise: it is a mistake in the calling code, not in the data)."""
@@ -242,8 +253,10 @@ def generate_request(
     elif chat is not None:
         msg.chat.SetInParent()  # an empty conversation is still a chat prompt
         for turn in chat:
-            role, content = (turn["role"], turn["content"]) if isinstance(turn, Mapping) else turn
-            msg.chat.messages.add(role=role, content=content)
+            if isinstance(turn, Mapping):
+                add_turn(msg.chat, turn)
+            else:
+                msg.chat.messages.add(role=turn[0], content=turn[1])
     elif token_ids is not None:
         msg.token_ids.SetInParent()
         msg.token_ids.ids.extend(token_ids)
@@ -253,4 +266,5 @@ def generate_request(
         msg.include_stop_str_in_output = include_stop_str_in_output
     if skip_special_tokens is not None:
         msg.skip_special_tokens = skip_special_tokens
+    add_tools(msg, tools, tool_choice)
     return msg

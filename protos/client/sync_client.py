@@ -29,6 +29,7 @@ from protos.client.messages import (
     SamplingParams,
     generate_request,
 )
+from protos.client.tools import Tool, ToolChoiceSpec
 
 
 class Stream(Iterator[Chunk]):
@@ -124,6 +125,8 @@ class Client:
         include_stop_str_in_output: bool | None = None,
         skip_special_tokens: bool | None = None,
         request_id: str | None = None,
+        tools: Sequence[Tool] | None = None,
+        tool_choice: ToolChoiceSpec | None = None,
         timeout: Timeout = DEFAULT_TIMEOUT,
     ) -> Stream:
         """Start one completion and return its :class:`Stream`. Give exactly one of
@@ -138,6 +141,8 @@ class Client:
             include_stop_str_in_output=include_stop_str_in_output,
             skip_special_tokens=skip_special_tokens,
             request_id=request_id,
+            tools=tools,
+            tool_choice=tool_choice,
         )
         call = self._stub.Generate(
             request, timeout=resolve_timeout(timeout, self.timeout), metadata=self.metadata
@@ -155,6 +160,8 @@ class Client:
         include_stop_str_in_output: bool | None = None,
         skip_special_tokens: bool | None = None,
         request_id: str | None = None,
+        tools: Sequence[Tool] | None = None,
+        tool_choice: ToolChoiceSpec | None = None,
         timeout: Timeout = DEFAULT_TIMEOUT,
     ) -> Completion:
         """:meth:`generate`, read to its end and joined into one :class:`Completion`."""
@@ -167,6 +174,8 @@ class Client:
             include_stop_str_in_output=include_stop_str_in_output,
             skip_special_tokens=skip_special_tokens,
             request_id=request_id,
+            tools=tools,
+            tool_choice=tool_choice,
             timeout=timeout,
         ) as stream:
             return stream.completion()
