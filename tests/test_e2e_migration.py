@@ -31,10 +31,18 @@ import pytest
 
 from gateway.launcher import LocalProcess
 from protos.baton.v1 import common_pb2, generate_pb2, generate_pb2_grpc
-from tests.e2e_helpers import E2ECluster, Outcome, tiny_cluster, wait_settled, worker_stats
+from tests.e2e_helpers import (
+    E2ECluster,
+    Outcome,
+    collect,
+    tiny_cluster,
+    wait_settled,
+    worker_stats,
+)
 
 TOKENS = 200
 STREAMS = 16
+CHOICE_TOKENS = 100
 # A near tie: the reference's top two tokens this close (natural log) may swap when the
 # moved request's KV is recomputed by a prefill step instead of decode steps (fp32 sums in
 # another order).
@@ -174,6 +182,45 @@ async def test_kill_9_of_a_decode_worker_loses_no_stream(cluster: E2ECluster) ->
     assert moved >= 1, "the killed worker held no stream: the test proved nothing"
     moved_line = r"moved from decode \S+ to decode \S+ after \d+ token\(s\) \(worker_gone"
     assert re.search(moved_line, _gateway_log(cluster)), logs
+    await _settle(cluster)
+    _refill(cluster)
+
+
+async def test_kill_9_moves_each_choice_of_an_n_2_request(cluster: E2ECluster) -> None:
+    """n = 2, seeded: the choices run on one decode worker; killed mid-stream, each
+    unfinished choice goes on from where it stopped on the other worker, with its own seed
+    (seed + index) and output offset, so each equals its undisturbed run's tokens."""
+    params = common_pb2.SamplingParameters(
+        max_tokens=CHOICE_TOKENS, temperature=0.8, seed=77, n=2, ignore_eos=True
+    )
+    request = generate_pb2.GenerateRequest(
+        text="A tale of two lighthouses:", sampling_params=params
+    )
+
+    def per_choice(outcome: Outcome) -> dict[int, list[int]]:
+        tokens: dict[int, list[int]] = {0: [], 1: []}
+        for r in outcome.responses:
+            tokens[r.index].extend(r.token_ids)
+        return tokens
+
+    async with grpc.aio.insecure_channel(cluster.gateway_address) as channel:
+        stub = generate_pb2_grpc.BatonStub(channel)
+        reference = await collect(stub.Generate(request, timeout=300))
+        assert reference.code is grpc.StatusCode.OK, str(reference)
+        call = stub.Generate(request, timeout=300)
+        began, first = time.monotonic(), Outcome()
+        while first.num_tokens < 20:  # both choices under way on one worker
+            first.responses.append(await call.read())
+        victim = await _busiest_decoder(cluster)  # the only one running anything
+        victim.popen.kill()
+        victim.popen.wait()
+        rest = await collect(call, began)
+    got = Outcome(responses=first.responses + rest.responses, code=rest.code)
+    assert got.code is grpc.StatusCode.OK, f"{got}\n{cluster.logs()}"
+    assert got.responses[-1].usage.migrations >= 1, "the request did not move"
+    expected = per_choice(reference)
+    assert [len(t) for t in expected.values()] == [CHOICE_TOKENS, CHOICE_TOKENS]
+    assert per_choice(got) == expected
     await _settle(cluster)
     _refill(cluster)
 
