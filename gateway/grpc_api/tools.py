@@ -24,6 +24,7 @@ from gateway.tools.plan import (
     ToolPlan,
     assistant_calls_text,
     check_tool_name,
+    checked_plan,
     with_tools_prompt,
 )
 from gateway.validation import (
@@ -93,19 +94,8 @@ def tool_plan_from_proto(msg: generate_pb2.GenerateRequest) -> ToolPlan | None:
             "tools", f"tools has {len(msg.tools)} entries; at most {MAX_TOOLS} allowed"
         )
     tools = tuple(_tool(t, f"tools[{i}]") for i, t in enumerate(msg.tools))
-    names = [t.name for t in tools]
-    for i, name in enumerate(names):
-        if name in names[:i]:
-            raise FieldError(f"tools[{i}].name", f"tools[{i}].name {name!r} is listed twice")
     choice, named = _choice(msg, bool(tools))
-    if named is not None and named not in names:
-        raise FieldError(
-            "tool_choice.function_name",
-            f"tool_choice.function_name is {named!r}, which tools does not list",
-        )
-    if not tools or choice is ToolChoice.NONE:
-        return None
-    return ToolPlan(tools, choice, named)
+    return checked_plan(tools, choice, named, "name", "tool_choice.function_name")
 
 
 def _tool(t: generate_pb2.Tool, path: str) -> Tool:

@@ -104,18 +104,27 @@ def parse_tools(b: Mapping[str, Any]) -> ToolPlan | None:
     if len(raw) > MAX_TOOLS:
         raise FieldError("tools", f"tools has {len(raw)} entries; at most {MAX_TOOLS} allowed")
     tools = tuple(_tool(t, f"tools[{i}]") for i, t in enumerate(raw))
+    choice, named = _tool_choice(b.get("tool_choice"), bool(tools))
+    return checked_plan(tools, choice, named, "function.name", "tool_choice.function.name")
+
+
+def checked_plan(
+    tools: tuple[Tool, ...],
+    choice: ToolChoice,
+    named: str | None,
+    name_field: str,
+    named_field: str,
+) -> ToolPlan | None:
+    """The plan, once the names are unique and a named function is among them (errors
+    name ``tools[i].<name_field>`` and ``named_field``, each surface's own spelling);
+    None when no tool may be called."""
     names = [t.name for t in tools]
     for i, name in enumerate(names):
         if name in names[:i]:
-            raise FieldError(
-                f"tools[{i}].function.name", f"tools[{i}].function.name {name!r} is listed twice"
-            )
-    choice, named = _tool_choice(b.get("tool_choice"), bool(tools))
+            field = f"tools[{i}].{name_field}"
+            raise FieldError(field, f"{field} {name!r} is listed twice")
     if named is not None and named not in names:
-        raise FieldError(
-            "tool_choice.function.name",
-            f"tool_choice.function.name is {named!r}, which tools does not list",
-        )
+        raise FieldError(named_field, f"{named_field} is {named!r}, which tools does not list")
     if not tools or choice is ToolChoice.NONE:
         return None
     return ToolPlan(tools, choice, named)
