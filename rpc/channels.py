@@ -31,7 +31,18 @@ MAX_CONNECTION_AGE_GRACE_MS = 10 * 60_000
 # ...and connections without a call for this long.
 MAX_CONNECTION_IDLE_MS = 10 * 60_000
 
+# A peer that went away (killed, restarting on its address) is redialled at least this
+# often. gRPC's default backoff grows to 120 s: a worker back within seconds of a restart
+# could then wait tens of seconds for the next dial, out of rotation all that time. Under
+# the gateway's default --worker-down-after-s, with gRPC's 20% jitter, so a worker that
+# came back is seen before a request gives up waiting for one.
+MAX_RECONNECT_BACKOFF_MS = 2_000
+MIN_RECONNECT_BACKOFF_MS = 250
+
 CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.initial_reconnect_backoff_ms", MIN_RECONNECT_BACKOFF_MS),
+    ("grpc.min_reconnect_backoff_ms", MIN_RECONNECT_BACKOFF_MS),
+    ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),

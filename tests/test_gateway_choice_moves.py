@@ -148,4 +148,6 @@ async def test_continued_choices_keep_the_clients_deadline(model: ServedModel) -
         for i in (0, 2)
         if f"many/{i}" in w.time_remaining
     ]
-    assert len(left) == 2 and all(t is not None and t < 1.5 for t in left)
+    # The client's 1.5 s, not a fresh budget; gRPC re-encodes a deadline relative to each
+    # hop's receipt (rounded up), so a loaded host may read a few ms more than it.
+    assert len(left) == 2 and all(t is not None and t < 1.6 for t in left)

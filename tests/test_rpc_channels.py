@@ -6,6 +6,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.config import GatewayConfig
 from rpc.channels import CHANNEL_OPTIONS, ChannelCache, make_channel
 from rpc.server import RpcServer, ServerSpec
 
@@ -19,6 +20,18 @@ def test_options_carry_keepalive_and_size_limits() -> None:
     names = dict(CHANNEL_OPTIONS)
     assert names["grpc.keepalive_time_ms"] > 0
     assert names["grpc.max_receive_message_length"] >= 4 * 1024 * 1024
+
+
+def test_a_restarted_peer_is_redialled_before_the_gateway_gives_up_on_it() -> None:
+    """The reconnect backoff, with gRPC's 20% jitter, stays under the gateway's default
+    --worker-down-after-s: a worker back on its address is dialled again (and answers
+    Stats) before the router's patience with it runs out."""
+    names = dict(CHANNEL_OPTIONS)
+    assert (
+        names["grpc.max_reconnect_backoff_ms"] * 1.2
+        < GatewayConfig(decode=("127.0.0.1:1",)).worker_down_after_s * 1e3
+    )
+    assert names["grpc.initial_reconnect_backoff_ms"] <= names["grpc.max_reconnect_backoff_ms"]
 
 
 async def test_cache_reuses_drops_and_closes() -> None:
