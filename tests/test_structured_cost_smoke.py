@@ -71,11 +71,12 @@ def test_report_has_every_leg_the_costs_and_the_judged_outputs(tmp_path: Path) -
         assert leg["outcomes"]["constrained"] == 2
         assert leg["outcomes"]["invalid"] == 0  # the constraint held, finished or not
         assert leg["free_rows_same_as_free_pass"] == 3  # fp32: the free rows are untouched
-        assert leg["probe"]["masks_s"] > 0 and leg["probe"]["accept_s"] > 0
+        assert leg["probe"]["masks_s"] > 0 and leg["probe"]["accept_s"] >= 0
     for leg in raw["legs"]:
         probe = leg["probe"]
         assert 0 < probe["forward_s"] <= leg["wall_s"] and probe["steps"] > 0
-        assert probe["masks_s"] + probe["accept_s"] <= probe["sample_s"]
+        assert probe["prefix_hit_tokens"] == 0  # each pass prefills its prompts afresh
+        assert probe["masks_s"] + probe["accept_s"] <= probe["sample_s"] + 1e-3  # rounding
     assert "| run | mode | wall | forward | sample | masks | accept | fill ahead | steps |" in text
     cost = raw["summary"]["constrained_over_free"]["baton"]
     assert cost["of_medians"] > 0 and len(cost["per_run"]) == 2

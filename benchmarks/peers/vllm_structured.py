@@ -66,6 +66,10 @@ def main() -> None:
         requests = workload[: command.get("limit") or len(workload)]
         every = int(command["every"])
         params = [_params(i, r, every, command.get("max_tokens")) for i, r in enumerate(requests)]
+        # Every pass starts from an empty prefix cache: the passes repeat the same prompts,
+        # and a hit would spare the later pass its prefill.
+        if not llm.reset_prefix_cache():
+            raise RuntimeError("vLLM did not reset its prefix cache")
         wall, outputs = vllm_cpu.generate_w1(llm, requests, params)
         backends = _backends(llm, params) if every else []
         return {"wall_s": wall, "outputs": outputs, "backends": backends}
