@@ -211,7 +211,9 @@ def structured_section(path: Path) -> list[str]:
         f"From [`{_rel(path)}`]({_rel(path)}): `{raw['command']}`, {raw['date']}, git"
         f" {raw['git_revision']}, {raw['machine']}; host kind: {raw['host_kind']}. The four"
         " legs ran interleaved, each engine kept loaded; the load columns say what other work"
-        " took meanwhile (this host is shared: read the ratios, which each run's legs share).",
+        " took meanwhile. This host is shared, and other work moves the same leg between runs"
+        " more than the constraint does: the results file separates the constraint's own cost"
+        " in baton (masks, matcher, masked rows, timed inside the engine) from that noise.",
         "",
         markdown_table(
             ["engine", "mode", "runs", "output tok/s (median)", "spread", "others, cores (max)"],
