@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -51,8 +52,17 @@ def _params(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
 
 
+# A request's sampling parameters in a timed pass; W1's own (greedy, EOS ignored, its
+# output_len) unless a benchmark gives some requests more (a constraint, say).
+ParamsFor = Callable[[W1Request], "SamplingParams"]
+
+
+def w1_params(r: W1Request) -> SamplingParams:
+    return _params(r.output_len)
+
+
 @dataclass(slots=True)
-class _Timed:
+class TimedPass:
     """One timed W1 pass: wall time, outputs, and the runner's work inside the window."""
 
     wall_s: float
@@ -61,48 +71,57 @@ class _Timed:
     steps: int
 
 
-def _sync_w1(core: EngineCore, requests: list[W1Request]) -> _Timed:
+def sync_w1(
+    core: EngineCore, requests: list[W1Request], params_for: ParamsFor = w1_params
+) -> TimedPass:
+    """One W1 pass through ``EngineCore.step()``, after an untimed warm-up request."""
     core.generate([common.warmup_prompt()], _params(common.WARMUP_NEW_TOKENS))
     outputs: dict[str, list[int]] = {r.request_id: [] for r in requests}
     busy0, steps0 = core.runner.busy_seconds, core.runner.num_steps
     t0 = time.perf_counter()
     for r in requests:
-        core.add_request(core.make_request(r.request_id, r.prompt_token_ids, _params(r.output_len)))
+        core.add_request(core.make_request(r.request_id, r.prompt_token_ids, params_for(r)))
     while core.has_work():
         for out in core.step():
             outputs[out.request_id].extend(out.new_token_ids)
     wall = time.perf_counter() - t0
-    return _Timed(wall, outputs, core.runner.busy_seconds - busy0, core.runner.num_steps - steps0)
+    return TimedPass(
+        wall, outputs, core.runner.busy_seconds - busy0, core.runner.num_steps - steps0
+    )
 
 
-async def _async_w1(core: EngineCore, requests: list[W1Request]) -> _Timed:
+async def async_w1(
+    core: EngineCore, requests: list[W1Request], params_for: ParamsFor = w1_params
+) -> TimedPass:
+    """One W1 pass through ``AsyncEngine``, every request submitted at once, after an
+    untimed warm-up request."""
     from engine.async_engine import AsyncEngine
 
     engine = AsyncEngine(core)
     await engine.start()
 
-    async def collect(rid: str, prompt: list[int], max_tokens: int) -> list[int]:
+    async def collect(rid: str, prompt: list[int], params: SamplingParams) -> list[int]:
         ids: list[int] = []
-        async for out in engine.generate(rid, prompt, _params(max_tokens)):
+        async for out in engine.generate(rid, prompt, params):
             ids.extend(out.new_token_ids)
         return ids
 
     try:
         # Warm up through the engine and runner threads: each new thread that calls into
         # torch pays its own first-parallel-region cost.
-        await collect("warmup-async", common.warmup_prompt(), common.WARMUP_NEW_TOKENS)
+        await collect("warmup-async", common.warmup_prompt(), _params(common.WARMUP_NEW_TOKENS))
         # The engine thread is idle between requests, so these reads race nothing.
         busy0, steps0 = core.runner.busy_seconds, core.runner.num_steps
         t0 = time.perf_counter()
         got = await asyncio.gather(
-            *(collect(r.request_id, r.prompt_token_ids, r.output_len) for r in requests)
+            *(collect(r.request_id, r.prompt_token_ids, params_for(r)) for r in requests)
         )
         wall = time.perf_counter() - t0
         busy, steps = core.runner.busy_seconds - busy0, core.runner.num_steps - steps0
     finally:
         await engine.shutdown()
     outputs = {r.request_id: ids for r, ids in zip(requests, got, strict=True)}
-    return _Timed(wall, outputs, busy, steps)
+    return TimedPass(wall, outputs, busy, steps)
 
 
 def _single_stream(core: EngineCore, prompt_len: int, new_tokens: int) -> float:
@@ -122,9 +141,9 @@ def run_baton(spec: RunSpec) -> RunResult:
     requests = common.load_workload(Path(spec.workload), spec.limit)
     core = _baton_core(spec)
     if spec.mode == "sync":
-        timed = _sync_w1(core, requests)
+        timed = sync_w1(core, requests)
     elif spec.mode == "async":
-        timed = asyncio.run(_async_w1(core, requests))
+        timed = asyncio.run(async_w1(core, requests))
     else:
         raise ValueError(f"baton mode must be 'sync' or 'async', got {spec.mode!r}")
     common.check_output_lengths(requests, timed.outputs)

