@@ -157,13 +157,16 @@ def test_set_fast_path_round_trips(tiny_llama: Path) -> None:
     core = make_core(tiny_llama)
     model = core.runner.model
     before = {n: m.use_kernel for n, m in model.named_modules() if hasattr(m, "use_kernel")}
+    # Which copies a layer keeps follows its route (measured on this host: a table that
+    # routes no class to the panels drops them), so the round trip restores what was.
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    copies = [(m.packed is not None, m.panels is not None) for m in linears]
     model.set_fast_path(False)
     assert all(not m.use_kernel for m in model.modules() if hasattr(m, "use_kernel"))
     assert all(m.packed is None for m in model.modules() if isinstance(m, Linear))
     assert all(m.panels is None for m in model.modules() if isinstance(m, Linear))
     model.set_fast_path(True)
-    if cpu_kernels() is not None:
-        assert all(m.panels is not None for m in model.modules() if isinstance(m, Linear))
+    assert [(m.packed is not None, m.panels is not None) for m in linears] == copies
     after = {n: m.use_kernel for n, m in model.named_modules() if hasattr(m, "use_kernel")}
     assert after == before
     assert any(isinstance(m, DecoderLayer) for m in model.modules())
