@@ -16,27 +16,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from benchmarks.grammar_choice import SCHEMA
+
 EVERY = 4
 
-# A typical extraction record: nested object, array, enum, bounded numbers.
-PERSON: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string"},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "email": {"type": "string"},
-        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 5},
-        "address": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}, "zip": {"type": "string"}},
-            "required": ["city"],
-        },
-        "status": {"enum": ["active", "inactive", "banned"]},
-        "score": {"type": "number", "minimum": 0, "maximum": 1},
-    },
-    "required": ["name", "age", "status"],
-    "additionalProperties": False,
-}
+# A typical extraction record (grammar_choice's schema): nested object, array, enum,
+# bounded numbers.
+PERSON: dict[str, Any] = SCHEMA
 # An array of objects, each with an enum and a bounded integer.
 ORDER_LINES: dict[str, Any] = {
     "type": "object",
