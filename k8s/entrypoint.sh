@@ -52,13 +52,19 @@ run_pair() {
     shift "$((n + 1))"
     exec python -m decode_service "$@"
   fi
+  # The trap is set before either worker starts: a SIGTERM that lands while they start
+  # must not kill this shell with its workers left running (the pod would hang until
+  # SIGKILL). A worker started after the signal is stopped at once.
+  prefill=""
+  decode=""
+  stopping=0
+  trap 'stopping=1; for p in $prefill $decode; do kill -TERM "$p" 2>/dev/null || true; done' TERM INT
   (prefill_worker "$@") &
   prefill=$!
   shift "$((n + 1))"
   python -m decode_service "$@" &
   decode=$!
-  stopping=0
-  trap 'stopping=1; kill -TERM "$prefill" "$decode" 2>/dev/null || true' TERM INT
+  if [ "$stopping" = 1 ]; then kill -TERM "$prefill" "$decode" 2>/dev/null || true; fi
   # Poll rather than `wait -n` (not POSIX); a short sleep in the background keeps the
   # traps prompt.
   while kill -0 "$prefill" 2>/dev/null && kill -0 "$decode" 2>/dev/null; do

@@ -6,6 +6,7 @@ writable. That the Dockerfile is hadolint-clean is checked in tests/test_k8s_cha
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -117,8 +118,8 @@ FAKE_PYTHON = """#!/bin/sh
 # python -m MODULE FLAGS...: logs its start and its SIGTERM; prefill_service exits with
 # $PREFILL_EXIT after a moment when that is set.
 mod="$2"; shift 2
-echo "$mod $*" >> "$LOG"
 trap 'echo "$mod TERM" >> "$LOG"; exit 0' TERM
+echo "$mod $*" >> "$LOG"
 if [ "$mod" = prefill_service ] && [ -n "${PREFILL_EXIT:-}" ]; then
   sleep 0.5
   exit "$PREFILL_EXIT"
@@ -137,8 +138,25 @@ def start_pair(tmp_path: Path, *args: str, **env: str) -> tuple[subprocess.Popen
         env={"PATH": f"{bin_dir}:/usr/bin:/bin", "LOG": str(log), **env},
         stderr=subprocess.PIPE,
         text=True,
+        start_new_session=True,
     )
     return proc, log
+
+
+def exit_status(proc: subprocess.Popen[str]) -> int:
+    """The entrypoint's status within 10 s. Its whole group is killed afterwards either
+    way: a worker it failed to stop would hold stderr open (reading it would hang) and
+    outlive the test."""
+    try:
+        return proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        raise AssertionError("the entrypoint did not exit within 10 s") from None
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
 
 
 def wait_for_lines(log: Path, count: int) -> list[str]:
@@ -158,26 +176,50 @@ def test_pair_runs_both_workers_with_their_own_flags_and_drains_both(tmp_path: P
         "prefill_service --port 50052 --grace-s 30",
     ]
     proc.send_signal(signal.SIGTERM)  # the kubelet stopping the pod
-    assert proc.wait(timeout=10) == 0, proc.stderr.read() if proc.stderr else ""
+    assert exit_status(proc) == 0
     assert sorted(log.read_text().splitlines()[2:]) == [
         "decode_service TERM",
         "prefill_service TERM",
     ]
 
 
+def test_pair_stopped_while_its_workers_start_leaves_none_running(tmp_path: Path) -> None:
+    """SIGTERM while the workers start: the entrypoint still stops both and exits, rather
+    than dying with its workers left running. The window is a few hundred microseconds,
+    so the signal is swept across the start-up, and the order that closes it is checked
+    in the script itself."""
+    body = (K8S / "entrypoint.sh").read_text().split("run_pair() {", 1)[1]
+    assert body.index("trap ") < body.index('(prefill_worker "$@") &')
+    for attempt in range(5):
+        proc, _ = start_pair(tmp_path / str(attempt), "--port", "1", "--", "--port", "2")
+        time.sleep(0.002 * attempt)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 2
+        while True:
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                break
+            if time.monotonic() > deadline:
+                os.killpg(proc.pid, signal.SIGKILL)
+                raise AssertionError(f"a worker outlived the entrypoint (attempt {attempt})")
+            time.sleep(0.02)
+
+
 def test_pair_stops_the_other_worker_and_fails_when_one_exits(tmp_path: Path) -> None:
     proc, log = start_pair(tmp_path, "--port", "1", "--", "--port", "2", PREFILL_EXIT="3")
-    assert proc.wait(timeout=10) == 3
+    assert exit_status(proc) == 3
     assert log.read_text().splitlines()[-1] == "decode_service TERM"
     assert "the prefill worker exited (3); stopping the other" in (proc.stderr.read() or "")
     # A worker that stops unasked with status 0 still fails the container.
     proc, _ = start_pair(tmp_path / "zero", "--", "--port", "2", PREFILL_EXIT="0")
-    assert proc.wait(timeout=10) == 1
+    assert exit_status(proc) == 1
 
 
 def test_pair_needs_the_separator(tmp_path: Path) -> None:
     proc, log = start_pair(tmp_path, "--port", "1")
-    assert proc.wait(timeout=10) == 2 and not log.exists()
+    assert exit_status(proc) == 2 and not log.exists()
     assert "PREFILL_FLAGS... -- DECODE_FLAGS..." in (proc.stderr.read() or "")
 
 
