@@ -170,7 +170,11 @@ class DecodeHandoff:
             ) as wait_span:
                 wait_span.set_attribute("baton.prefill", prefill)
                 desc, lease_ended = self._inbox.lease(
-                    request_id, lease.block_ids, lease.generation, self._limits.stall_s
+                    request_id,
+                    lease.block_ids,
+                    lease.generation,
+                    self._limits.stall_s,
+                    first_block=lease.first_block,
                 )
                 # The time left is taken now, after the wait for blocks, not when the
                 # request arrived; the order carries it too, signed.

@@ -11,6 +11,7 @@ serving.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -44,8 +45,9 @@ class KVInbox:
         self.receiver: KVReceiver | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._waiters: dict[str, asyncio.Future[RecvCompletion]] = {}
-        # request id -> (when its lease was granted, bytes it covers), for the tally.
-        self._started: dict[str, tuple[float, int]] = {}
+        # request id -> (when its lease was granted, bytes it covers, bytes not sent
+        # because this worker held them), for the tally.
+        self._started: dict[str, tuple[float, int, int]] = {}
         self.tally = TransferTally()  # every lease's outcome, for the metrics endpoint
         self._on_failure = on_failure
         self._failure_reported = False
@@ -84,10 +86,17 @@ class KVInbox:
         return self.receiver.incarnation
 
     def lease(
-        self, request_id: str, block_ids: list[int], generation: int, timeout_s: float
+        self,
+        request_id: str,
+        block_ids: list[int],
+        generation: int,
+        timeout_s: float,
+        first_block: int = 0,
     ) -> tuple[KVDescriptor, asyncio.Future[RecvCompletion]]:
         """Grant a lease on ``block_ids`` (of pool generation ``generation``, the lease's
-        epoch) for ``timeout_s`` unless extended; the future resolves when it ends."""
+        epoch) for ``timeout_s`` unless extended; the future resolves when it ends.
+        ``first_block``: the prompt's leading blocks this worker already holds (they are
+        not sent; counted as saved)."""
         assert self.receiver is not None and self._loop is not None
         fut: asyncio.Future[RecvCompletion] = self._loop.create_future()
         self._waiters[request_id] = fut
@@ -98,9 +107,13 @@ class KVInbox:
         except BaseException:
             self._waiters.pop(request_id, None)
             raise
+        if first_block:
+            desc = dataclasses.replace(desc, first_block=first_block)
+        block_bytes = desc.endpoint.layout.block_bytes
         self._started[request_id] = (
             time.monotonic(),
-            len(block_ids) * desc.endpoint.layout.block_bytes,
+            len(block_ids) * block_bytes,
+            first_block * block_bytes,
         )
         return desc, fut
 
@@ -155,8 +168,10 @@ class KVInbox:
         for completion in self.receiver.poll():
             started = self._started.pop(completion.request_id, None)
             if started is not None:
-                began, num_bytes = started
-                self.tally.record(time.monotonic() - began, num_bytes, completion.error)
+                began, num_bytes, saved = started
+                self.tally.record(
+                    time.monotonic() - began, num_bytes, completion.error, saved_bytes=saved
+                )
             fut = self._waiters.pop(completion.request_id, None)
             if fut is not None and not fut.done():
                 fut.set_result(completion)

@@ -63,10 +63,13 @@ class KVLease:
     """Blocks reserved on this engine for a request whose KV a prefill worker will write."""
 
     request_id: str
+    # The blocks a prefill worker must write: the prompt's logical blocks from
+    # ``first_block`` on (the ones before are this engine's cached prefix, shared).
     block_ids: list[int]
-    # BlockPool.generation of the blocks when reserved: the lease's epoch on the wire,
+    # BlockPool.generation of those blocks when reserved: the lease's epoch on the wire,
     # checked again when the KV is declared ready.
     generation: int
+    first_block: int = 0
 
 
 class _Stream:
@@ -232,8 +235,12 @@ class AsyncEngine:
             # Idempotent: frees a lease granted after this caller stopped waiting.
             self.abort(request_id)
             raise
-        generation = self.core.pool.generation(blocks)
-        return KVLease(request_id, blocks, generation), self._consume(request_id, stream)
+        # Set on the engine thread before the grant resolved the future.
+        reused = req.num_reused_blocks
+        leased = blocks[reused:]
+        generation = self.core.pool.generation(leased)
+        lease = KVLease(request_id, leased, generation, first_block=reused)
+        return lease, self._consume(request_id, stream)
 
     def kv_ready(self, request_id: str, first_token: int, generation: int | None = None) -> None:
         """The reserved blocks hold the prompt's KV and ``first_token`` was sampled.

@@ -119,6 +119,9 @@ class Request:
     # How many leading blocks are registered in the prefix cache.
     num_registered_blocks: int = 0
     num_cached_tokens: int = 0
+    # Decode role: leading prompt blocks this engine's prefix cache already held when the
+    # request's blocks were reserved for a prefill worker; that worker writes the rest.
+    num_reused_blocks: int = 0
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     # Filled by the runner chunk by chunk when ``params.prompt_logprobs`` is set: entry j

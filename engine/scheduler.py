@@ -252,10 +252,20 @@ class Scheduler:
         return max(0, self._blocks_for(min(end, limit)) - held)
 
     def _grant(self, req: Request) -> list[int]:
+        """Blocks for the whole prompt: the leading ones this engine's prefix cache holds
+        (shared, ``req.num_reused_blocks`` of them: the prefill worker need not send
+        them), then fresh ones for the rest. ``_refusal`` counted every block as fresh,
+        so the allocation cannot fail."""
         in_flight = frozenset().union(*self._writing.values())
-        blocks = self.pool.allocate(self._blocks_for(req.num_prompt_tokens), avoid=in_flight)
-        assert blocks is not None, "_refusal checked the pool"
+        hits = self._match_prefix(req)
+        self.pool.share(hits)
+        fresh = self.pool.allocate(
+            self._blocks_for(req.num_prompt_tokens) - len(hits), avoid=in_flight
+        )
+        assert fresh is not None, "_refusal checked the pool"
+        blocks = hits + fresh
         req.block_ids = blocks
+        req.num_reused_blocks = req.num_registered_blocks = len(hits)
         req.status = RequestStatus.WAITING_FOR_KV
         self.requests[req.request_id] = req
         self.remote[req.request_id] = req
@@ -275,10 +285,11 @@ class Scheduler:
         req = self.remote.get(request_id)
         if req is None:
             return None
-        if generation is not None and self.pool.generation(req.block_ids) != generation:
+        leased = req.block_ids[req.num_reused_blocks :]
+        if generation is not None and self.pool.generation(leased) != generation:
             raise AbortedError(
                 f"request {request_id}: its KV blocks were reallocated after the lease "
-                f"(block generation {self.pool.generation(req.block_ids):#x}, lease "
+                f"(block generation {self.pool.generation(leased):#x}, lease "
                 f"{generation:#x}); the arrived KV is stale"
             )
         del self.remote[request_id]

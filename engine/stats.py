@@ -88,6 +88,9 @@ class TransferStats:
 
     num_ok: int = 0
     num_bytes: int = 0  # bytes moved by transfers that completed
+    # Decode: bytes those transfers did not move because this worker's prefix cache
+    # held the prompt's first blocks.
+    num_saved_bytes: int = 0
     seconds_sum: float = 0.0  # over every transfer, failed ones too
     # Cumulative counts per TRANSFER_SECONDS_BUCKETS bound (``le``), then +Inf.
     seconds_buckets: tuple[int, ...] = (0,) * (len(TRANSFER_SECONDS_BUCKETS) + 1)
@@ -109,11 +112,19 @@ class TransferTally:
         self._lock = threading.Lock()
         self._num_ok = 0
         self._num_bytes = 0
+        self._num_saved_bytes = 0
         self._seconds_sum = 0.0
         self._buckets = [0] * (len(TRANSFER_SECONDS_BUCKETS) + 1)
         self._failures: dict[str, int] = {}
 
-    def record(self, seconds: float, num_bytes: int, error: BaseException | None) -> None:
+    def record(
+        self,
+        seconds: float,
+        num_bytes: int,
+        error: BaseException | None,
+        *,
+        saved_bytes: int = 0,
+    ) -> None:
         with self._lock:
             self._seconds_sum += seconds
             for i, bound in enumerate(TRANSFER_SECONDS_BUCKETS):
@@ -123,6 +134,7 @@ class TransferTally:
             if error is None:
                 self._num_ok += 1
                 self._num_bytes += num_bytes
+                self._num_saved_bytes += saved_bytes
             else:
                 reason = failure_reason(error)
                 self._failures[reason] = self._failures.get(reason, 0) + 1
@@ -132,6 +144,7 @@ class TransferTally:
             return TransferStats(
                 num_ok=self._num_ok,
                 num_bytes=self._num_bytes,
+                num_saved_bytes=self._num_saved_bytes,
                 seconds_sum=self._seconds_sum,
                 seconds_buckets=tuple(self._buckets),
                 failures=dict(self._failures),

@@ -161,7 +161,9 @@ class PrefillHandoff:
                 budget = max(0.0, deadline - time.monotonic())
             with span(self._tracer, "prefill.transfer", trace_context, request_id=rid) as s:
                 queued_at = time.monotonic()
-                sent = self._outbox.send(rid, out.held_block_ids, order.descriptor, budget)
+                # Decode holds the blocks before first_block already (its prefix cache).
+                src = out.held_block_ids[order.descriptor.first_block :]
+                sent = self._outbox.send(rid, src, order.descriptor, budget)
                 async for beat in self._beats(
                     sent, rid, Phase.TRANSFERRING, len(order.prompt_token_ids)
                 ):
@@ -263,11 +265,17 @@ class PrefillHandoff:
         mismatch = self._layout.mismatch(desc.endpoint.layout)
         if mismatch:
             raise LayoutMismatchError(f"KV layout of decode worker differs: {mismatch}")
-        need = -(-len(order.prompt_token_ids) // self._layout.block_size)
+        n, bs = len(order.prompt_token_ids), self._layout.block_size
+        if desc.first_block > (n - 1) // bs:
+            raise ValueError(
+                f"request.kv.first_block is {desc.first_block}; a {n}-token prompt allows at "
+                f"most {(n - 1) // bs} (the block of its last token is always sent)"
+            )
+        need = -(-n // bs) - desc.first_block
         if len(desc.block_ids) != need:
             raise ValueError(
-                f"request.kv.block_ids has {len(desc.block_ids)} blocks; a "
-                f"{len(order.prompt_token_ids)}-token prompt needs {need}"
+                f"request.kv.block_ids has {len(desc.block_ids)} blocks; a {n}-token prompt "
+                f"needs {need} from block {desc.first_block} on"
             )
 
     async def _beats(

@@ -300,6 +300,7 @@ def kv_descriptor_to_proto(desc: KVDescriptor) -> kv_pb2.KVDescriptor:
         num_blocks=ep.num_blocks,
         lease_token=desc.lease_token,
         handle=ep.handle,
+        first_block=desc.first_block,
     )
 
 
@@ -338,6 +339,7 @@ def kv_descriptor_from_proto(msg: kv_pb2.KVDescriptor, *, path: str = "kv") -> K
         block_ids=tuple(msg.block_ids),
         epoch=msg.block_epoch,
         lease_token=msg.lease_token,
+        first_block=msg.first_block,
     )
 
 

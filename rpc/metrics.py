@@ -242,6 +242,14 @@ def _transfer_metrics(role: str, t: TransferStats) -> Iterator[Metric]:
     )
     moved.add_metric([role], t.num_bytes)
     yield moved
+    saved = CounterMetricFamily(
+        "baton_kv_transfer_saved_bytes_total",
+        "Bytes of KV completed hand-offs did not move because the receiving decode "
+        "worker's prefix cache held the prompt's first blocks.",
+        labels=["role"],
+    )
+    saved.add_metric([role], t.num_saved_bytes)
+    yield saved
     failures = CounterMetricFamily(
         "baton_kv_transfer_failures_total",
         "KV hand-offs that failed, by reason.",

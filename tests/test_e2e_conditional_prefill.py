@@ -101,3 +101,49 @@ async def test_short_and_mostly_cached_prompts_are_prefilled_on_the_decode_worke
         # The decode worker served the earlier turn's blocks from its own cache.
         assert await _decode_hits(cluster) - before >= 160
     await wait_settled(cluster.live_workers(), logs=cluster.logs)
+
+
+def _decode_transfer_bytes(cluster: E2ECluster) -> tuple[float, float]:
+    """The decode worker's KV bytes received and bytes not sent (held already)."""
+    decode = next(p for p in cluster.procs if p.kind == "decode")
+    text = urllib.request.urlopen(f"http://{decode.metrics_address}/metrics", timeout=5).read()
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(text.decode()):
+        for sample in family.samples:
+            found[sample.name] = sample.value
+    return (
+        found["baton_kv_transfer_bytes_total"],
+        found["baton_kv_transfer_saved_bytes_total"],
+    )
+
+
+async def test_a_remote_prefill_sends_only_what_the_decode_worker_lacks(
+    cluster: E2ECluster, tiny_llama: Path
+) -> None:
+    """A follow-up too new for local prefill (100 new tokens, 64 % held) goes to the
+    prefill worker, and the decode worker that holds the conversation takes from it only
+    the blocks past the prefix it holds (at least turn 1's 10 full prompt blocks of the
+    follow-up's 18), and the tokens are still HF's."""
+    first = prompt_ids(160, "reuse-turn-1")
+    hf = hf_model(tiny_llama)
+    async with grpc.aio.insecure_channel(cluster.gateway_address) as channel:
+        stub = generate_pb2_grpc.BatonStub(channel)
+        before = _prefills(cluster)
+        outcome = await generate(stub, _request(first))
+        assert_completed(outcome, TOKENS, cluster.logs())
+        answer = [t for r in outcome.responses for t in r.token_ids]
+        await asyncio.sleep(0.5)  # the decode worker's KV events reach the gateway
+        moved, saved = _decode_transfer_bytes(cluster)
+        follow_up = first + answer + prompt_ids(100, "reuse-turn-2")
+        outcome = await generate(stub, _request(follow_up))
+        assert_completed(outcome, TOKENS, cluster.logs())
+        ours = [t for r in outcome.responses for t in r.token_ids]
+        ref, logits = hf_greedy(hf, follow_up, TOKENS)
+        assert compare_greedy(ours, ref, logits) in ("equal", "tie"), (ours, ref)
+        after = _prefills(cluster)
+        assert after["remote"] - before["remote"] == 2 and after["local"] == before["local"]
+        moved_now, saved_now = _decode_transfer_bytes(cluster)
+        moved, saved = moved_now - moved, saved_now - saved
+        block = (moved + saved) / 18  # 276 tokens: 18 blocks, each sent or held
+        assert saved >= 10 * block and moved <= 8 * block, (moved, saved)
+    await wait_settled(cluster.live_workers(), logs=cluster.logs)

@@ -241,6 +241,33 @@ async def test_orders_that_do_not_fit_are_refused_before_anything_runs(rig: Rig)
     await rig.settle()
 
 
+async def test_an_order_over_a_prefix_decode_holds_sends_only_the_rest(rig: Rig) -> None:
+    """first_block 2: decode's prefix cache holds the prompt's first two blocks, so the
+    three leased blocks get prefill's blocks 2-4 (the checksum of what arrived matches
+    the sender's over exactly those) and the bytes moved are three blocks'."""
+    desc = rig.receiver.expect("f1", (7, 8, 9), 9, time.monotonic() + 30)
+    order = PrefillOrder("f1", PROMPT, PARAMS, dataclasses.replace(desc, first_block=2))
+    events = [e async for e in rig.handoff().run(order, _acks(Ack(True)), None)]
+    done = next(e for e in events if isinstance(e, TransferDone))
+    rig.receiver.verify("f1", done.checksum, done.epoch)
+    assert done.num_bytes == 3 * rig.engine.core.layout.block_bytes
+    await rig.settle()
+    # The block of the prompt's last token is always sent: first_block 5 of 5 is refused,
+    # and so is a block count that does not match what is left.
+    for first, blocks, message in (
+        (5, (11,), "first_block is 5; a 80-token prompt allows at most 4"),
+        (2, (12, 13), "has 2 blocks; a 80-token prompt needs 3 from block 2 on"),
+    ):
+        rid = f"f{first}{len(blocks)}"
+        bad = rig.receiver.expect(rid, blocks, 9, time.monotonic() + 30)
+        order = PrefillOrder(rid, PROMPT, PARAMS, dataclasses.replace(bad, first_block=first))
+        with pytest.raises(ValueError, match=message):
+            async for _ in rig.handoff().run(order, _acks(), None):
+                pass
+        rig.receiver.cancel(rid)
+    await rig.settle()
+
+
 async def test_with_a_fleet_secret_only_signed_orders_run(rig: Rig) -> None:
     key = FleetKey(b"fleet-secret-0123456789")
     handoff = rig.handoff(key)

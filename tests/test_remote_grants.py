@@ -87,3 +87,62 @@ def test_allocate_skips_avoided_blocks_and_keeps_their_lru_place() -> None:
     assert pool.allocate(2, avoid=frozenset({0, 2})) == [1, 3]
     assert pool.allocate(3, avoid=frozenset({0, 2})) is None
     assert pool.allocate(3) == [0, 2, 4]
+
+
+# -- a remote prefill over a prefix this engine holds ------------------------------------
+
+
+def _cache_prompt(sched, tokens: list[int]) -> None:  # noqa: ANN001
+    """Run ``tokens`` here to the end, so its full blocks sit in the prefix cache."""
+    sched.add(make_request("earlier", tokens, max_tokens=1))
+    while sched.has_work():
+        step = sched.schedule()
+        sched.update(step, [SampledToken(1) if s.sample else None for s in step.seqs])
+
+
+def test_a_remote_grant_shares_the_cached_prefix_and_leases_only_the_rest() -> None:
+    sched = make_scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=64)
+    history = list(range(10, 30))  # 5 full blocks
+    _cache_prompt(sched, history)
+    cached = sched.pool.match_prefix(
+        sched._hashes_upto(make_request("x", history), 5),
+        [tuple(history[b * 4 : (b + 1) * 4]) for b in range(5)],
+    )
+    assert len(cached) == 5
+    follow_up = make_request("r", history + list(range(40, 46)))  # 26 tokens: 7 blocks
+    blocks = sched.reserve_remote(follow_up)
+    assert len(blocks) == 7 and blocks[:5] == cached
+    assert follow_up.num_reused_blocks == 5
+    assert all(sched.pool.ref_count(b) == 1 for b in blocks)
+    # The lease covers the two written blocks; kv_ready checks those and runs the request.
+    assert sched.remote_kv_ready("r", 7, sched.pool.generation(blocks[5:])) is None
+    assert [r.request_id for r in sched.running] == ["r"]
+    # Abort frees what it holds: the shared prefix stays cached, the pool is whole again.
+    sched.abort("r")
+    assert sched.pool.num_free == 16
+    assert len(sched.pool.match_prefix(
+        sched._hashes_upto(make_request("y", history), 5),
+        [tuple(history[b * 4 : (b + 1) * 4]) for b in range(5)],
+    )) == 5  # fmt: skip
+
+
+def test_a_remote_grant_always_leaves_the_last_prompt_block_to_the_sender() -> None:
+    sched = make_scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=64)
+    history = list(range(10, 30))
+    _cache_prompt(sched, history)
+    # The same 20 tokens again: 5 full cached blocks, but the block of the last token is
+    # leased (the prefill worker samples the first token from it).
+    again = make_request("r", history)
+    blocks = sched.reserve_remote(again)
+    assert len(blocks) == 5 and again.num_reused_blocks == 4
+    # A prompt that diverges inside the first block reuses nothing.
+    other = make_request("o", [99, *history[1:]])
+    assert sched.reserve_remote(other) and other.num_reused_blocks == 0
+
+
+def test_a_remote_grant_reuses_nothing_without_prefix_caching() -> None:
+    sched = make_scheduler(num_blocks=16, block_size=4, enable_prefix_caching=False)
+    history = list(range(10, 30))
+    _cache_prompt(sched, history)
+    r = make_request("r", history + [1, 2])
+    assert len(sched.reserve_remote(r)) == 6 and r.num_reused_blocks == 0

@@ -131,6 +131,10 @@ class KVDescriptor:
     # against the pool again before the request may run.
     epoch: int
     lease_token: int  # random, non-zero; identifies this lease on the wire
+    # The receiver already holds the prompt's first ``first_block`` logical blocks (its
+    # prefix cache): ``block_ids`` are the prompt's blocks from this one on, and the
+    # sender sends its own from here.
+    first_block: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11\x62\x61ton/v1/kv.proto\x12\x08\x62\x61ton.v1\"\x93\x01\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12 \n\x05\x64type\x18\x05 \x01(\x0e\x32\x11.baton.v1.KVDtype\x12\x15\n\rdeterministic\x18\n \x01(\x08\"\xfb\x01\n\x0cKVDescriptor\x12(\n\ttransport\x18\x01 \x01(\x0e\x32\x15.baton.v1.KVTransport\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\"\n\x06layout\x18\x04 \x01(\x0b\x32\x12.baton.v1.KVLayout\x12\x16\n\x0eincarnation_id\x18\x05 \x01(\t\x12\x13\n\x0b\x62lock_epoch\x18\x06 \x01(\x04\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x12\n\nnum_blocks\x18\x08 \x01(\r\x12\x13\n\x0blease_token\x18\t \x01(\x04\x12\x0e\n\x06handle\x18\n \x01(\x0c*\xa1\x01\n\x0bKVTransport\x12\x1c\n\x18KV_TRANSPORT_UNSPECIFIED\x10\x00\x12\x14\n\x10KV_TRANSPORT_SHM\x10\x01\x12\x15\n\x11KV_TRANSPORT_GLOO\x10\x02\x12\x19\n\x15KV_TRANSPORT_CUDA_IPC\x10\x03\x12\x15\n\x11KV_TRANSPORT_NCCL\x10\x04\x12\x15\n\x11KV_TRANSPORT_NIXL\x10\x05*f\n\x07KVDtype\x12\x18\n\x14KV_DTYPE_UNSPECIFIED\x10\x00\x12\x14\n\x10KV_DTYPE_FLOAT32\x10\x01\x12\x15\n\x11KV_DTYPE_BFLOAT16\x10\x02\x12\x14\n\x10KV_DTYPE_FLOAT16\x10\x03\x42`\n\x0c\x63om.baton.v1B\x07KvProtoP\x01Z\x1d\x62\x61ton/gen/go/baton/v1;batonv1\xa2\x02\x03\x42XX\xaa\x02\x08\x42\x61ton.V1\xca\x02\x08\x42\x61ton\\V1\xea\x02\tBaton::V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11\x62\x61ton/v1/kv.proto\x12\x08\x62\x61ton.v1\"\x93\x01\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12 \n\x05\x64type\x18\x05 \x01(\x0e\x32\x11.baton.v1.KVDtype\x12\x15\n\rdeterministic\x18\n \x01(\x08\"\x90\x02\n\x0cKVDescriptor\x12(\n\ttransport\x18\x01 \x01(\x0e\x32\x15.baton.v1.KVTransport\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\"\n\x06layout\x18\x04 \x01(\x0b\x32\x12.baton.v1.KVLayout\x12\x16\n\x0eincarnation_id\x18\x05 \x01(\t\x12\x13\n\x0b\x62lock_epoch\x18\x06 \x01(\x04\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x12\n\nnum_blocks\x18\x08 \x01(\r\x12\x13\n\x0blease_token\x18\t \x01(\x04\x12\x0e\n\x06handle\x18\n \x01(\x0c\x12\x13\n\x0b\x66irst_block\x18\x0b \x01(\r*\xa1\x01\n\x0bKVTransport\x12\x1c\n\x18KV_TRANSPORT_UNSPECIFIED\x10\x00\x12\x14\n\x10KV_TRANSPORT_SHM\x10\x01\x12\x15\n\x11KV_TRANSPORT_GLOO\x10\x02\x12\x19\n\x15KV_TRANSPORT_CUDA_IPC\x10\x03\x12\x15\n\x11KV_TRANSPORT_NCCL\x10\x04\x12\x15\n\x11KV_TRANSPORT_NIXL\x10\x05*f\n\x07KVDtype\x12\x18\n\x14KV_DTYPE_UNSPECIFIED\x10\x00\x12\x14\n\x10KV_DTYPE_FLOAT32\x10\x01\x12\x15\n\x11KV_DTYPE_BFLOAT16\x10\x02\x12\x14\n\x10KV_DTYPE_FLOAT16\x10\x03\x42`\n\x0c\x63om.baton.v1B\x07KvProtoP\x01Z\x1d\x62\x61ton/gen/go/baton/v1;batonv1\xa2\x02\x03\x42XX\xaa\x02\x08\x42\x61ton.V1\xca\x02\x08\x42\x61ton\\V1\xea\x02\tBaton::V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,12 +32,12 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.baton.v1.kv_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\014com.baton.v1B\007KvProtoP\001Z\035baton/gen/go/baton/v1;batonv1\242\002\003BXX\252\002\010Baton.V1\312\002\010Baton\\V1\352\002\tBaton::V1'
-  _globals['_KVTRANSPORT']._serialized_start=436
-  _globals['_KVTRANSPORT']._serialized_end=597
-  _globals['_KVDTYPE']._serialized_start=599
-  _globals['_KVDTYPE']._serialized_end=701
+  _globals['_KVTRANSPORT']._serialized_start=457
+  _globals['_KVTRANSPORT']._serialized_end=618
+  _globals['_KVDTYPE']._serialized_start=620
+  _globals['_KVDTYPE']._serialized_end=722
   _globals['_KVLAYOUT']._serialized_start=32
   _globals['_KVLAYOUT']._serialized_end=179
   _globals['_KVDESCRIPTOR']._serialized_start=182
-  _globals['_KVDESCRIPTOR']._serialized_end=433
+  _globals['_KVDESCRIPTOR']._serialized_end=454
 # @@protoc_insertion_point(module_scope)

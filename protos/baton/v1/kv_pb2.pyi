@@ -50,7 +50,7 @@ class KVLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[_Union[KVDtype, str]] = ..., deterministic: _Optional[bool] = ...) -> None: ...
 
 class KVDescriptor(_message.Message):
-    __slots__ = ("transport", "endpoint", "block_ids", "layout", "incarnation_id", "block_epoch", "request_id", "num_blocks", "lease_token", "handle")
+    __slots__ = ("transport", "endpoint", "block_ids", "layout", "incarnation_id", "block_epoch", "request_id", "num_blocks", "lease_token", "handle", "first_block")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +61,7 @@ class KVDescriptor(_message.Message):
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     transport: KVTransport
     endpoint: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -71,4 +72,5 @@ class KVDescriptor(_message.Message):
     num_blocks: int
     lease_token: int
     handle: bytes
-    def __init__(self, transport: _Optional[_Union[KVTransport, str]] = ..., endpoint: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., incarnation_id: _Optional[str] = ..., block_epoch: _Optional[int] = ..., request_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., lease_token: _Optional[int] = ..., handle: _Optional[bytes] = ...) -> None: ...
+    first_block: int
+    def __init__(self, transport: _Optional[_Union[KVTransport, str]] = ..., endpoint: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., incarnation_id: _Optional[str] = ..., block_epoch: _Optional[int] = ..., request_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., lease_token: _Optional[int] = ..., handle: _Optional[bytes] = ..., first_block: _Optional[int] = ...) -> None: ...
