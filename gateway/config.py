@@ -57,7 +57,7 @@ class GatewayConfig:
     # work queued there; load: by load only.
     routing: str = "kv"
     # How much one cached prompt token counts against one queued token (kv routing).
-    kv_cache_weight: float = 1.0
+    kv_cache_weight: float = 2.0
     # Conditional disaggregation (kv routing): prefill on the decode worker a prompt of
     # which it lacks at most this many tokens (0: never), or holds this fraction. Measured
     # (benchmarks/results/local_prefill_*): on one host, local prefill was faster only at
@@ -321,7 +321,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--kv-cache-weight",
-        help="kv routing: how much a cached prompt token counts against a queued one (1.0)",
+        help="kv routing: how much a cached prompt token counts against a queued one; above 1 "
+        "a worker's cache also stands for the compute the fleet saves (2.0)",
     )
     p.add_argument(
         "--local-prefill-tokens",

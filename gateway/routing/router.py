@@ -84,7 +84,7 @@ class Router:
         wait_for_worker_s: float = 3.0,
         same_host_prefill: bool = False,
         kv_feed: KVFeed | None = None,
-        cache_weight: float = 1.0,
+        cache_weight: float = 2.0,
         local_prefill_tokens: int = 0,
         local_cached_fraction: float = 1.0,
     ) -> None:
@@ -246,9 +246,14 @@ class Router:
             decode.prompt_tokens_since_poll += self._uncached(decode, num_prompt_tokens, hashes)
             self.local_prefills += 1
         else:
-            decode = self._best(WorkerKind.DECODE, avoid_decode, exclude=exclude_decode)
+            decode = self._best(
+                WorkerKind.DECODE, avoid_decode, exclude=exclude_decode, holding=hashes
+            )
             chosen = self._best(WorkerKind.PREFILL, avoid_prefill, prompt=hashes)
             chosen.prompt_tokens_since_poll += self._uncached(chosen, num_prompt_tokens, hashes)
+            if hashes is not None and self._kv_feed is not None:
+                # Decode caches the prompt's blocks once its KV has arrived.
+                self._kv_feed.index.expect(decode.address, hashes)
             prefill = chosen.address
             self.remote_prefills += 1
         decode.picks_since_poll += 1
@@ -268,7 +273,9 @@ class Router:
         for w in self._workers[WorkerKind.DECODE].values():
             if not w.up or w.full or w.address in avoid:
                 continue
-            cached = min(n, index.cached_tokens(w.address, prompt))
+            # Only what it holds now: a prefix still on its way here would be computed
+            # again by the local prefill.
+            cached = min(n, index.cached_tokens(w.address, prompt, expected=False))
             pending = w.queued_prompt_tokens + w.prompt_tokens_since_poll
             if pending and pending + n - cached > self._local_prefill_tokens:
                 continue  # busy with prompts already: this one goes to a prefill worker
@@ -282,22 +289,29 @@ class Router:
         return None if best is None else best[2]
 
     def _uncached(self, worker: WorkerState, n: int, prompt: PromptHashes | None) -> int:
-        """Prompt tokens ``worker`` would compute (all of them when its cache is unknown)."""
+        """Prompt tokens ``worker``, chosen to compute the prompt, would compute (all of
+        them when its cache is unknown); its blocks are expected there from now on."""
         if prompt is None or self._kv_feed is None:
             return n
         cached = min(n, self._kv_feed.index.cached_tokens(worker.address, prompt))
+        self._kv_feed.index.expect(worker.address, prompt)
         self.routed_prompt_tokens += n
         self.routed_cached_tokens += cached
         return max(1, n - cached)
 
     def _prompt_work(self, worker: WorkerState, prompt: PromptHashes) -> float:
-        """Prompt tokens the worker would compute before this prompt's last one: what it
-        has queued (its report plus this gateway's picks since) and this prompt less the
-        part it holds, each cached token counting ``cache_weight`` (0: load only)."""
+        """The worker's cost for this prompt: what it has queued (its report plus this
+        gateway's picks since), plus this prompt's tokens less ``cache_weight`` x the
+        ones it holds or was just sent (0: load only). At 1 this is the prompt tokens it
+        would compute before this prompt's last one. Above 1 a cached token also stands
+        for the compute the fleet saves: a worker holding a prefix may have up to
+        (weight - 1) x that prefix more queued than one that does not, so a burst sharing
+        a new system prompt lines up behind the one computing it instead of computing it
+        again on every worker."""
         assert self._kv_feed is not None
         cached = self._kv_feed.index.cached_tokens(worker.address, prompt)
         own = len(prompt.token_ids) - self._cache_weight * cached
-        return worker.queued_prompt_tokens + worker.prompt_tokens_since_poll + max(1.0, own)
+        return worker.queued_prompt_tokens + worker.prompt_tokens_since_poll + own
 
     def check_room(self, admitted: int) -> None:
         """Raise ResourceExhaustedError when every decode worker that is up is full (see
@@ -395,7 +409,15 @@ class Router:
         allowed: Callable[[WorkerState], bool] = lambda w: True,
         prompt: PromptHashes | None = None,
         exclude: Collection[str] = (),
+        holding: PromptHashes | None = None,
     ) -> WorkerState:
+        """The worker of ``kind`` to use: by the work ahead of ``prompt`` where it is
+        cached (:meth:`_prompt_work`), else by load. ``holding`` (decode, remote prefill):
+        a prompt whose KV a prefill worker sends, less the leading blocks the decode worker
+        holds, so one holding them scores up to twice its load score (by the fraction
+        held, times ``cache_weight`` where that is below 1): fewer bytes moved, fewer
+        blocks taken, and the conversation stays where its next turn can be prefilled
+        locally."""
         workers = list(self._workers[kind].values())
         up = [(i, w) for i, w in enumerate(workers) if w.up]
         if not up:
@@ -430,8 +452,18 @@ class Router:
                 ),
             )[1]
         if kind is WorkerKind.DECODE:
-            return max(fresh, key=lambda iw: (iw[1].decode_score(), -iw[0]))[1]
+            held = self._held_fraction(holding)
+            return max(fresh, key=lambda iw: (iw[1].decode_score() * held(iw[1]), -iw[0]))[1]
         return min(fresh, key=lambda iw: (iw[1].prefill_score(), iw[0]))[1]
+
+    def _held_fraction(self, prompt: PromptHashes | None) -> Callable[[WorkerState], float]:
+        """1 + the share of ``prompt`` a worker holds, scaled down by a ``cache_weight``
+        below 1 (1 when unknown, and at weight 0)."""
+        if prompt is None or self._kv_feed is None or not prompt.token_ids:
+            return lambda w: 1.0
+        index, n = self._kv_feed.index, len(prompt.token_ids)
+        weight = min(1.0, self._cache_weight)
+        return lambda w: 1.0 + weight * min(n, index.cached_tokens(w.address, prompt)) / n
 
     def _cached_anywhere(
         self, workers: list[tuple[int, WorkerState]], prompt: PromptHashes
