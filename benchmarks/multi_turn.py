@@ -32,7 +32,9 @@ model at ``--dtype``), with the gateway flags:
 alike; the tables give the median over rounds. Per deployment: TTFT and ITL p50/p99,
 output tok/s, prefix hit rate (baton: cached / prompt tokens the gateway routed, kv
 routing only; every deployment: the engines' own prefix-cache hits / lookups from
-/metrics), KV transfer bytes (decode workers' ``baton_kv_transfer_bytes_total``), local
+/metrics), KV transfer bytes (decode workers' ``baton_kv_transfer_bytes_total``, and
+``baton_kv_transfer_saved_bytes_total``: what remote prefills did not send because the
+decode worker held it), local
 and remote prefills, and where baton's slowest first tokens spent their time (the
 gateway's per-request phase log). Results: ``benchmarks/results/multi_turn_<date>_<dtype>``
 ``.md`` and ``.json``, with provenance and the machine's load in every leg
@@ -144,6 +146,7 @@ def _baton_counters(leg: dict[str, Any]) -> None:
         leg[f"{role}_hit_rate"] = h / q if q else None
     # Bytes decode workers received (prefill counts the same bytes sent).
     leg["transfer_bytes"] = _delta(before, after, "baton_kv_transfer_bytes_total", role="decode")
+    leg["saved_bytes"] = _delta(before, after, "baton_kv_transfer_saved_bytes_total", role="decode")
     leg["local_prefills"] = _delta(before, after, "baton_prefills_total", where="local")
     leg["remote_prefills"] = _delta(before, after, "baton_prefills_total", where="remote")
 

@@ -37,7 +37,8 @@ def _ms(x: float | None) -> str:
 
 def _summary(raw: dict[str, Any]) -> dict[str, dict[str, float | None]]:
     keys = ("p50_ttft_ms", "p99_ttft_ms", "p50_itl_ms", "p99_itl_ms", "output_throughput",
-            "routing_hit_rate", "engine_hit_rate", "transfer_bytes", "local_prefills",
+            "routing_hit_rate", "engine_hit_rate", "transfer_bytes", "saved_bytes",
+            "local_prefills",
             "remote_prefills", "first_p50_ttft_ms", "first_p99_ttft_ms",
             "follow_up_p50_ttft_ms", "follow_up_p99_ttft_ms")  # fmt: skip
     return {name: {k: median_of(legs, k) for k in keys} for name, legs in raw["legs"].items()}
@@ -111,12 +112,13 @@ def render(raw: dict[str, Any]) -> str:
             _pct(m["engine_hit_rate"]),
             f"{m['local_prefills']:.0f} / {m['remote_prefills']:.0f}" if baton else "-",
             common.fmt((m["transfer_bytes"] or 0) / 2**20) if baton else "-",
+            common.fmt((m["saved_bytes"] or 0) / 2**20) if baton else "-",
             " / ".join(f"{leg['completed']}/{leg['expected_turns']}" for leg in legs),
         ])  # fmt: skip
     table = common.markdown_table(
         ["deployment", "gateway flags", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
          "output tok/s", "prefix hit (routed)", "prefix hit (engines)", "prefills local / remote",
-         "KV moved MiB", "turns done"], rows)  # fmt: skip
+         "KV moved MiB", "KV not sent (held) MiB", "turns done"], rows)  # fmt: skip
     load, peer = s.get("load"), s.get("vllm")
     ratio_rows = []
     for name, m in s.items():
@@ -196,7 +198,9 @@ def render(raw: dict[str, Any]) -> str:
         " (kv routing only; load routing does not look). prefix hit (engines): prompt tokens"
         " the workers' prefix caches found, over those looked up (baton: every worker,"
         " `baton_prefix_cache_hits_total / queries_total`; vLLM: `vllm:prefix_cache_hits /"
-        " queries`). KV moved: bytes decode workers received from prefill workers.",
+        " queries`). KV moved: bytes decode workers received from prefill workers; KV not"
+        " sent: bytes of the prompts' leading blocks the receiving decode worker held"
+        " already (`baton_kv_transfer_saved_bytes_total`).",
         "",
         ratios,
         "",
