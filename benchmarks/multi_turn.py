@@ -384,11 +384,13 @@ def main(argv: list[str] | None = None) -> Path:
     }
     text = multi_turn_report.render(raw)
     opts.results_dir.mkdir(parents=True, exist_ok=True)
-    stem = opts.results_dir / f"multi_turn_{now:%Y-%m-%d}_{opts.dtype}{opts.tag}"
-    stem.with_suffix(".json").write_text(json.dumps(raw, indent=1) + "\n")
-    stem.with_suffix(".md").write_text(text)
+    # Appended, not with_suffix: a tag may hold a dot (``--tag _rate0.1``).
+    stem = f"multi_turn_{now:%Y-%m-%d}_{opts.dtype}{opts.tag}"
+    (opts.results_dir / f"{stem}.json").write_text(json.dumps(raw, indent=1) + "\n")
+    md = opts.results_dir / f"{stem}.md"
+    md.write_text(text)
     print(text, flush=True)
-    return stem.with_suffix(".md")
+    return md
 
 
 if __name__ == "__main__":
