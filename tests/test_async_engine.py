@@ -148,8 +148,13 @@ async def test_reserve_then_kv_ready_continues_from_the_first_token(
         held = out
     assert held is not None and held.held_block_ids
     lease, stream = await engine.reserve("d", prompt, GREEDY)
+    # The engine's prefix cache holds the prompt's two full blocks (the held request
+    # computed them): the lease shares them and covers only the last, partial one, as a
+    # prefill worker would then send only its blocks from first_block on.
+    assert lease.first_block == 2 and len(lease.block_ids) == 1
     kv = engine.core.runner.kv_cache
-    kv[:, :, :, lease.block_ids] = kv[:, :, :, held.held_block_ids]
+    src = held.held_block_ids[lease.first_block :]
+    kv[:, :, :, lease.block_ids] = kv[:, :, :, src]
     engine.release_held("p")
     engine.kv_ready("d", held.new_token_ids[0])
     rest: list[int] = []
