@@ -31,7 +31,9 @@ needs_kernels = pytest.mark.skipif(KERNELS is None, reason="compiled CPU kernels
 BACKENDS = ["torch", pytest.param("cpu-kernel", marks=needs_kernels)]
 DTYPES = [torch.float32, torch.bfloat16]
 # Max abs error against the float64 reference, for outputs of magnitude ~1. The torch path
-# rounds bf16 scores and probabilities; the kernel rounds only its output.
+# rounds bf16 scores and probabilities; the decode kernel rounds only its output, the
+# prefill kernel its probabilities (bf16 dot product for P.V, as flash attention does) and
+# its output.
 TOL = {
     ("torch", torch.float32): 1e-5,
     ("cpu-kernel", torch.float32): 1e-5,
@@ -225,6 +227,50 @@ def test_kernel_splits_long_contexts_of_small_batches(dtype: torch.dtype) -> Non
             assert err < TOL[("cpu-kernel", dtype)], (seqs, err)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block", [8, 16, 128])
+def test_prefill_kernel_chunks_over_long_contexts(dtype: torch.dtype, block: int) -> None:
+    # The compiled prefill kernel reads every key from the pool: chunks of 1 to 300 tokens
+    # after 0 to 700 cached ones, query-row groups straddling tokens (9 heads on 3 KV
+    # heads), a chunk ending mid-block, and several chunks in one step.
+    if KERNELS is None:
+        pytest.skip("compiled CPU kernels unavailable")
+    seqs = [Seq(0, 300), Seq(700, 45), Seq(33, 2), Seq(129, 127)]
+    err, _, _ = _run(seqs, heads=9, kv_heads=3, dtype=dtype, backend="cpu-kernel", block=block)
+    assert err < TOL[("cpu-kernel", dtype)], err
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_kernel_result_does_not_depend_on_the_threads(dtype: torch.dtype) -> None:
+    # Each (KV head, row group) is one thread's whole job, whatever the team: bit-equal.
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            gen = torch.Generator().manual_seed(5)
+            kv = torch.randn((2, 2, 3, 40, 16, 64), generator=gen).to(dtype)
+            q = torch.randn((70, 9, 64), generator=gen).to(dtype)
+            out = torch.empty_like(q)
+            ids = torch.randperm(39, generator=gen)[:30] + 1
+            KERNELS.ops.prefill_attention(out, q, kv, 1, ids, 400, 0.125, 0)
+            outs.append(out)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+
+
+@needs_kernels
+def test_prefill_kernel_refuses_a_short_block_table() -> None:
+    kv = torch.zeros((1, 2, 2, 8, 16, 32))
+    q = torch.zeros((20, 4, 32))
+    with pytest.raises(RuntimeError, match="block_ids cover 16 tokens, the chunk ends at 30"):
+        KERNELS.ops.prefill_attention(torch.empty_like(q), q, kv, 0, torch.tensor([1]), 10, 0.1, 0)
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        KERNELS.ops.prefill_attention(torch.empty_like(q), q, kv, 0, torch.tensor([1, 9]), 10, 0.1)
 
 
 @needs_kernels

@@ -20,6 +20,7 @@
 #include "csrc/linear.h"
 #include "csrc/panel_linear.h"
 #include "csrc/pointwise.h"
+#include "csrc/prefill_attention.h"
 #include "csrc/vec16.h"
 
 namespace baton_kernels {
@@ -169,6 +170,9 @@ TORCH_LIBRARY(baton_cpu, m) {
   m.def(
       "decode_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, int layer, Tensor block_tables, "
       "Tensor context_lens, float scale, int window=0, int split=0) -> ()");
+  m.def(
+      "prefill_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, int layer, Tensor block_ids, int start, "
+      "float scale, int window=0) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rotary(Tensor q, Tensor k, Tensor cos, Tensor sin, Tensor positions) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
@@ -195,6 +199,7 @@ TORCH_LIBRARY(baton_cpu, m) {
 TORCH_LIBRARY_IMPL(baton_cpu, CPU, m) {
   m.impl("write_kv", &write_kv);
   m.impl("decode_attention", &decode_attention);
+  m.impl("prefill_attention", &prefill_attention);
   m.impl("rms_norm", &rms_norm);
   m.impl("rotary", &rotary);
   m.impl("silu_and_mul", &silu_and_mul);

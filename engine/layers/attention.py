@@ -317,12 +317,14 @@ class PagedAttention(nn.Module):
                 self.scale,
                 self.sliding_window,
             )
-        if meta.prefills:
-            k_cache = ctx.kv_cache[self.layer_idx, 0]
-            v_cache = ctx.kv_cache[self.layer_idx, 1]
-            for p in meta.prefills:
-                rows = slice(p.q_start, p.q_start + p.q_len)
-                out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, p)
+        # Prefill chunks read their context, their own tokens included (written above),
+        # straight from the pool: no gather, no mask tensor.
+        for p in meta.prefills:
+            rows = slice(p.q_start, p.q_start + p.q_len)
+            ops.prefill_attention(
+                out[rows], q[rows], ctx.kv_cache, self.layer_idx, p.block_ids, p.start,
+                self.scale, self.sliding_window,
+            )  # fmt: skip
         return out.view(t, self.num_heads * self.head_dim)
 
     def _forward_torch(self, q, k, v, ctx: ForwardContext) -> torch.Tensor:
