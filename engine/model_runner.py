@@ -180,7 +180,8 @@ class ModelRunner:
         model.set_kernel_routes(table)
         model.prepare_fast_path()
         if table is None:
-            table = measure_routes(request, layers, lm_head)
+            probe = functools.partial(model.prefill_attention_probe, block_size=self.cfg.block_size)
+            table = measure_routes(request, layers, lm_head, attention=probe)
             model.set_kernel_routes(table)
             _return_freed_memory()
         self.kernel_routes = table

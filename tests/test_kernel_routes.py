@@ -21,7 +21,10 @@ from engine.kernels.cpu import cpu_kernels
 from engine.kernels.route_bench import RouteRequest, choose_routes
 from engine.kernels.route_table import (
     DECODE_ROWS,
+    FLASH,
     GEMV_ROWS,
+    LINEAR_ROUTES,
+    PREFILL_ATTENTION,
     PREFILL_ROWS,
     ROUTES,
     ROW_CLASSES,
@@ -209,7 +212,7 @@ def test_every_route_agrees_with_the_fp32_reference(dtype: torch.dtype, rows: in
     copies = (ops.pack_linear_weight(w), ops.pack_linear_weight(w, wide=True), ops.pack_panels(w))
     ref = F.linear(x.double(), w.double(), b.double())
     ran = []
-    for route in ROUTES:
+    for route in LINEAR_ROUTES:
         got = ops.run_route(route, x, w, b, *copies)
         if got is None:
             continue
@@ -385,3 +388,49 @@ def test_an_engine_under_a_capped_onednn_isa_serves_the_same_tokens(tiny_llama: 
 
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     assert out["tokens"] == twin.generate([[5, 6, 7, 8] * 20, [9, 10, 11], [12] * 7], params)
+
+
+def test_prompt_attention_is_a_class_routed_to_its_fastest_injected_timing() -> None:
+    from engine.kernels.route_table import candidates
+
+    assert candidates(PREFILL_ATTENTION, "bfloat16", True, True, True) == (FLASH, "torch")
+    assert candidates(PREFILL_ATTENTION, "bfloat16", False, True, True) == ("torch",)
+    defaults = default_routes("bfloat16", kernels=True, panels=True, onednn=True)
+    assert defaults[PREFILL_ATTENTION] == FLASH
+    plan = {PREFILL_ATTENTION: (256,)}
+    cands = {PREFILL_ATTENTION: (FLASH, "torch")}
+    # SDPA faster by more than the margin (an AMX host's bf16 SDPA): it takes the class.
+    faster_sdpa = measure_table(plan, cands, defaults, lambda c, r, n: 1.0 if r == "torch" else 2.0)
+    assert faster_sdpa.routes[PREFILL_ATTENTION] == "torch"
+    assert faster_sdpa.timings[PREFILL_ATTENTION] == {FLASH: 2.0, "torch": 1.0}
+    within_margin = measure_table(
+        plan, cands, defaults, lambda c, r, n: 0.95 if r == "torch" else 1.0
+    )
+    assert within_margin.routes[PREFILL_ATTENTION] == FLASH
+
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="compiled CPU kernels unavailable")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_prompt_attention_probe_runs_both_routes_alike(dtype: torch.dtype) -> None:
+    from engine.layers.attention import PagedAttention, prefill_probe
+
+    attn = PagedAttention(3, 9, 3, 64)
+    flash = prefill_probe(attn, FLASH, 40, 16, dtype)
+    sdpa = prefill_probe(attn, "torch", 40, 16, dtype)
+    assert flash is not None and sdpa is not None
+    assert prefill_probe(attn, "gemv", 40, 16, dtype) is None
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(flash().float(), sdpa().float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize(("mode", "route"), [("torch", "torch"), ("onednn", FLASH)])
+def test_an_engine_runs_prompt_attention_on_its_tables_route(
+    tiny_llama: Path, mode: str, route: str
+) -> None:
+    core = make_core(tiny_llama, dtype="float32", cpu_kernels=mode)
+    from engine.layers.attention import PagedAttention
+
+    routes = {m.prefill_route for m in core.runner.model.modules() if isinstance(m, PagedAttention)}
+    expected = route if cpu_kernels() is not None else "torch"
+    assert routes == {expected}
+    assert (PREFILL_ATTENTION, expected) in core.stats().cpu_kernel_routes

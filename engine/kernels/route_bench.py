@@ -4,7 +4,9 @@ table at start-up (``choose_routes``): from the cache, by measuring, or as force
 The timer runs each candidate route (``ops.run_route``) over the weights of a class:
 for the decode classes the weights of enough layers in turn (``SWEEP_BYTES``) that they
 are read from memory as a decode step reads them, not from a warm cache; for prefill
-chunks, one layer (compute-bound already, and each call is long). Each timing is the
+chunks, one layer (compute-bound already, and each call is long). Prompt chunks'
+attention is timed through a probe the model builds (``AttentionProbe``): one layer's
+attention of a chunk after cached context, on each route. Each timing is the
 fastest of a few sweeps after one untimed warm-up, within a share of a total budget.
 """
 
@@ -25,6 +27,7 @@ from engine.kernels import ops, route_cache
 from engine.kernels.cpu import cpu_kernels
 from engine.kernels.route_table import (
     LM_HEAD_CLASSES,
+    PREFILL_ATTENTION,
     PREFILL_ROWS,
     ROW_CLASSES,
     RouteTable,
@@ -60,6 +63,11 @@ class LinearCopies(Protocol):
     panels: torch.Tensor | None
 
 
+# ``probe(route, rows)``: a call that runs one layer's attention of a ``rows``-token prompt
+# chunk on ``route``, or None where the route does not serve the model.
+AttentionProbe = Callable[[str, int], Callable[[], object] | None]
+
+
 @dataclass(frozen=True, slots=True)
 class RouteRequest:
     """What ``choose_routes`` needs besides the weights."""
@@ -90,9 +98,11 @@ def make_timer(
     lm_head: LinearCopies,
     budget_s: float,
     num_measurements: int,
+    attention: AttentionProbe | None = None,
 ) -> Callable[[str, str, int], float]:
     """``timer(row_class, route, rows)``: seconds of one sweep of the class's weights on
-    ``rows`` rows through ``route``; ``inf`` where the route does not serve them."""
+    ``rows`` rows through ``route`` (of ``attention``'s probe for prompt chunks'
+    attention); ``inf`` where the route does not serve them."""
     share = budget_s / max(1, num_measurements)
     layer_bytes = (
         sum(m.weight.numel() * m.weight.element_size() for m in layers[0]) if layers else 1
@@ -114,24 +124,31 @@ def make_timer(
                 return False
         return True
 
+    def best_of(run: Callable[[], object]) -> float:
+        run()  # warm-up
+        best = math.inf
+        began = time.perf_counter()
+        for _ in range(MAX_REPS):
+            t0 = time.perf_counter()
+            run()
+            best = min(best, time.perf_counter() - t0)
+            if time.perf_counter() - began >= share:
+                break
+        return best
+
     @torch.inference_mode()
     def timer(row_class: str, route: str, rows: int) -> float:
+        if row_class == PREFILL_ATTENTION:
+            call = attention(route, rows) if attention is not None else None
+            return math.inf if call is None else best_of(call)
         if row_class in LM_HEAD_CLASSES:
             mods: list[LinearCopies] = [lm_head]
         else:
             depth = 1 if row_class == PREFILL_ROWS else memory_depth
             mods = [m for layer in layers[:depth] for m in layer]
-        if not sweep(mods, route, rows):  # warm-up; also: does the route serve them
+        if not sweep(mods, route, rows):  # does the route serve them
             return math.inf
-        best = math.inf
-        began = time.perf_counter()
-        for _ in range(MAX_REPS):
-            t0 = time.perf_counter()
-            sweep(mods, route, rows)
-            best = min(best, time.perf_counter() - t0)
-            if time.perf_counter() - began >= share:
-                break
-        return best
+        return best_of(lambda: sweep(mods, route, rows))
 
     return timer
 
@@ -152,6 +169,7 @@ def choose_routes(
     layers: Sequence[Sequence[LinearCopies]],
     lm_head: LinearCopies,
     timer: Callable[[str, str, int], float] | None = None,
+    attention: AttentionProbe | None = None,
 ) -> RouteTable:
     """The route table for this model on this host, as ``request.mode`` says: ``auto``
     reuses a cached measurement for the same key or measures and caches; ``measure``
@@ -159,7 +177,9 @@ def choose_routes(
     needs every copy packed (``Linear.prepack`` without routes); the caller drops the
     ones the table leaves unused."""
     known = known_routes(request, layers, lm_head)
-    return known if known is not None else measure_routes(request, layers, lm_head, timer)
+    if known is not None:
+        return known
+    return measure_routes(request, layers, lm_head, timer, attention)
 
 
 def known_routes(
@@ -183,13 +203,15 @@ def measure_routes(
     layers: Sequence[Sequence[LinearCopies]],
     lm_head: LinearCopies,
     timer: Callable[[str, str, int], float] | None = None,
+    attention: AttentionProbe | None = None,
 ) -> RouteTable:
-    """Time the candidates on the weights' copies (all packed) and cache the table."""
+    """Time the candidates on the weights' copies (all packed) and on ``attention``'s
+    probe, and cache the table."""
     setting = _setting(request, layers, lm_head)
     plan, cands, defaults = setting.plan, setting.candidates, setting.defaults
     if timer is None:
         count = sum(len(plan[c]) * len(cands[c]) for c in ROW_CLASSES)
-        timer = make_timer(layers, lm_head, request.budget_s, count)
+        timer = make_timer(layers, lm_head, request.budget_s, count, attention)
     busy = (request.busy or host_busy)()
     t0 = time.perf_counter()
     deadline = t0 + OVERRUN * request.budget_s

@@ -1,16 +1,19 @@
-"""Which kernel each class of CPU linear layer runs on: the classes, the candidates, and
-picking the fastest of measured candidates. Torch-free; the timings come from a timer
-that the caller injects (``engine.kernels.route_bench`` times the real weights).
+"""Which kernel each class of CPU linear layer (and prompt-chunk attention) runs on: the
+classes, the candidates, and picking the fastest of measured candidates. Torch-free;
+the timings come from a timer that the caller injects (``engine.kernels.route_bench``
+times the real weights).
 
 A linear layer's rows decide its class: a few rows (batch-1 and small decode steps),
 decode batches, prefill chunks; the LM head has its own two classes, since its weight
-(vocabulary x hidden) is the largest and it only sees the sampled rows. Each class runs
-on one route. ``default_routes`` is what the hand-tuned constants of
-``engine.kernels.ops`` pick; a measured route replaces a class's default only when it
-is faster by more than ``margin``, so timing noise cannot flip a choice away from it.
+(vocabulary x hidden) is the largest and it only sees the sampled rows. Prompt chunks'
+attention is a class too: the compiled flash-style kernel or torch's SDPA, whose bf16
+path runs on AMX tiles where the CPU has them. Each class runs on one route.
+``default_routes`` is what the hand-tuned constants of ``engine.kernels.ops`` pick; a
+measured route replaces a class's default only when it is faster by more than
+``margin``, so timing noise cannot flip a choice away from it.
 
-Deterministic mode (``deterministic_table``) gives up the per-class choice: every class
-runs on one kernel whose reduction order for a row does not depend on how many rows
+Deterministic mode (``deterministic_table``) gives up the per-class choice: every linear
+class runs on one kernel whose reduction order for a row does not depend on how many rows
 share the call, so a token's bits do not depend on its batch.
 """
 
@@ -26,8 +29,10 @@ PANELS = "panels"  # the fp32 panel kernel on panel-packed weights
 # has it and oneDNN's ISA cap allows it)
 ONEDNN = "onednn"
 WIDE = "wide"  # bf16 widened to an fp32 oneDNN GEMM on a prepacked fp32 copy
-TORCH = "torch"  # F.linear
-ROUTES = (GEMV, PANELS, ONEDNN, WIDE, TORCH)
+TORCH = "torch"  # F.linear; for prefill attention, torch's SDPA
+FLASH = "flash"  # prefill attention: the compiled kernel (csrc/prefill_attention.h)
+LINEAR_ROUTES = (GEMV, PANELS, ONEDNN, WIDE, TORCH)
+ROUTES = LINEAR_ROUTES + (FLASH,)
 
 # --cpu-kernels: auto = cached table or measure; measure = always measure; default = the
 # constants; onednn / torch = every class on that route.
@@ -39,9 +44,11 @@ DECODE_ROWS = "decode"
 PREFILL_ROWS = "prefill"
 LM_HEAD_GEMV_ROWS = "lm_head_gemv"
 LM_HEAD_ROWS = "lm_head"
+PREFILL_ATTENTION = "prefill_attention"
 LAYER_CLASSES = (GEMV_ROWS, DECODE_ROWS, PREFILL_ROWS)
 LM_HEAD_CLASSES = (LM_HEAD_GEMV_ROWS, LM_HEAD_ROWS)
-ROW_CLASSES = LAYER_CLASSES + LM_HEAD_CLASSES
+LINEAR_CLASSES = LAYER_CLASSES + LM_HEAD_CLASSES
+ROW_CLASSES = LINEAR_CLASSES + (PREFILL_ATTENTION,)
 
 # Class bounds, in rows (the constants of engine.kernels.ops: GEMV_MAX_ROWS,
 # PANEL_MAX_ROWS): up to 4 rows, up to 64, above.
@@ -77,6 +84,8 @@ def sample_rows(row_class: str, max_num_seqs: int, max_num_batched_tokens: int) 
         )
     if row_class == LM_HEAD_ROWS:
         return (min(seqs, DECODE_MAX_ROWS),) if seqs > GEMV_MAX_ROWS else ()
+    if row_class == PREFILL_ATTENTION:  # a chunk after cached context (the timer's shape)
+        return (min(max_num_batched_tokens, 256),) if max_num_batched_tokens > 1 else ()
     # Prefill chunks: the size the budget allows, capped where the GEMM is compute-bound
     # already (a larger chunk only makes the measurement longer).
     chunk = min(max_num_batched_tokens, 256)
@@ -89,6 +98,8 @@ def candidates(
     """The routes that can run a class here: ``kernels`` (the compiled kernels load, with
     the bf16 dot product for a bf16 model), ``panels`` (panel copies are allowed),
     ``onednn`` (torch's oneDNN linear takes a prepacked weight of this dtype)."""
+    if row_class == PREFILL_ATTENTION:
+        return (FLASH, TORCH) if kernels else (TORCH,)
     out: list[str] = []
     small = row_class in (GEMV_ROWS, LM_HEAD_GEMV_ROWS)
     if small and kernels and dtype == "bfloat16":
@@ -117,6 +128,7 @@ def default_routes(dtype: str, kernels: bool, panels: bool, onednn: bool) -> dic
         PREFILL_ROWS: prefill,
         LM_HEAD_GEMV_ROWS: small,
         LM_HEAD_ROWS: mid,
+        PREFILL_ATTENTION: FLASH if kernels else TORCH,
     }
 
 
@@ -143,7 +155,9 @@ def deterministic_table(route: str) -> RouteTable:
             f"deterministic mode needs a batch-invariant route {BATCH_INVARIANT_ROUTES}, "
             f"got {route!r}"
         )
-    return RouteTable(routes=dict.fromkeys(ROW_CLASSES, route), source=DETERMINISTIC_SOURCE)
+    # No prompt-chunk attention route: deterministic mode runs every token through the
+    # single-query kernel (``PagedAttention.split``).
+    return RouteTable(routes=dict.fromkeys(LINEAR_CLASSES, route), source=DETERMINISTIC_SOURCE)
 
 
 def pick(timings: Mapping[str, float], default: str, margin: float = DEFAULT_MARGIN) -> str:

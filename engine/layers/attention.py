@@ -11,9 +11,12 @@ Two backends give the same result (fp32 summation order aside):
   outside blocks, so the gather already has the ``[kv_heads, seqs, tokens, head_dim]``
   shape the matmul wants. Scores are scaled, masked and widened to fp32 in one op.
 
-Prefill chunks run as torch SDPA per sequence (causal; an explicit mask when the
-chunk follows cached context or a sliding window cuts it), which measured fastest for
-multi-token queries.
+Prefill chunks take the route the host measured fastest (``prefill_route``, a class of
+``engine.kernels.route_table``, timed at start-up by ``prefill_probe``): the compiled
+flash-style kernel (``csrc/prefill_attention.h``), which reads every key, the chunk's
+own included, from the paged pool, or torch SDPA per sequence (causal; the context
+gathered and an explicit mask when the chunk follows cached context or a sliding window
+cuts it), whose bf16 path runs on AMX tiles where the CPU has them.
 
 Deterministic mode (``split`` > 0, ``--deterministic``) trades that for bits that do not
 depend on the batch: every token of the step, prefill chunks included, runs as a
@@ -55,6 +58,7 @@ from engine.forward_context import (
     get_forward_context,
 )
 from engine.kernels.cpu import cpu_kernels
+from engine.kernels.route_table import FLASH, TORCH
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 logger = logging.getLogger(__name__)
@@ -246,6 +250,9 @@ class PagedAttention(nn.Module):
         self.use_kernel = fits_kernel and decode_attention_backend() == "cpu-kernel"
         # Deterministic mode: the fixed KV split in tokens (DETERMINISTIC_SPLIT); 0: off.
         self.split = 0
+        # The kernel of prompt chunks on the compiled path: FLASH or TORCH (SDPA), set from
+        # the model's measured route table.
+        self.prefill_route = FLASH
         # Triton kernels for every tensor (CPU ones under TRITON_INTERPRET=1, in tests):
         # set by the runner that checked they build (engine.cuda_runner); the plain
         # runner on a GPU (--attention-fallback torch) leaves it off.
@@ -317,15 +324,23 @@ class PagedAttention(nn.Module):
                 self.scale,
                 self.sliding_window,
             )
-        # Prefill chunks read their context, their own tokens included (written above),
-        # straight from the pool: no gather, no mask tensor.
         for p in meta.prefills:
             rows = slice(p.q_start, p.q_start + p.q_len)
-            ops.prefill_attention(
-                out[rows], q[rows], ctx.kv_cache, self.layer_idx, p.block_ids, p.start,
-                self.scale, self.sliding_window,
-            )  # fmt: skip
+            self._prefill_chunk(ops, out[rows], q[rows], k[rows], v[rows], ctx.kv_cache, p)
         return out.view(t, self.num_heads * self.head_dim)
+
+    def _prefill_chunk(self, ops, out, q, k, v, kv_cache, p) -> None:
+        """One prompt chunk's attention into ``out`` on ``prefill_route``, its K/V already
+        in the pool. FLASH reads the context, the chunk's own tokens included, straight
+        from the pool: no gather, no mask tensor."""
+        if self.prefill_route == FLASH:
+            ops.prefill_attention(
+                out, q, kv_cache, self.layer_idx, p.block_ids, p.start, self.scale,
+                self.sliding_window,
+            )  # fmt: skip
+            return
+        k_cache, v_cache = kv_cache[self.layer_idx, 0], kv_cache[self.layer_idx, 1]
+        out.copy_(self._prefill(q, k, v, k_cache, v_cache, p))
 
     def _forward_torch(self, q, k, v, ctx: ForwardContext) -> torch.Tensor:
         meta = ctx.attn
@@ -394,3 +409,38 @@ class PagedAttention(nn.Module):
             qh, keys, values, attn_mask=allowed, scale=self.scale, enable_gqa=True
         )
         return o.squeeze(0).transpose(0, 1)
+
+
+def prefill_probe(
+    attn: PagedAttention, route: str, rows: int, block_size: int, dtype: torch.dtype
+) -> Callable[[], object] | None:
+    """One call of ``attn``'s prompt-chunk attention on ``route`` (FLASH or TORCH) for the
+    kernel route timer (``engine.kernels.route_bench``): a chunk of ``rows`` tokens after
+    three times as many cached ones, in shuffled blocks of a pool of its own; the call
+    returns the chunk's output. None where the route cannot run this layer here."""
+    kernels = cpu_kernels()
+    if route not in (FLASH, TORCH) or dtype not in _KERNEL_DTYPES:
+        return None
+    if kernels is None or not attn.use_kernel:
+        return None
+    probe = PagedAttention(
+        0, attn.num_heads, attn.num_kv_heads, attn.head_dim, sliding_window=attn.sliding_window
+    )
+    probe.prefill_route = route
+    cached = 3 * rows
+    blocks = -(-(cached + rows) // block_size)
+    gen = torch.Generator().manual_seed(0)
+    shape = (1, 2, attn.num_kv_heads, 2 * blocks + 1, block_size, attn.head_dim)
+    pool = torch.randn(shape, generator=gen).to(dtype)
+    ids = torch.randperm(2 * blocks, generator=gen)[:blocks] + 1
+    q = torch.randn((rows, attn.num_heads, attn.head_dim), generator=gen).to(dtype)
+    k = torch.randn((rows, attn.num_kv_heads, attn.head_dim), generator=gen).to(dtype)
+    v = torch.randn_like(k)
+    out = torch.empty_like(q)
+    seq = PrefillSeq(q_start=0, q_len=rows, start=cached, block_ids=ids)
+
+    def run() -> torch.Tensor:
+        probe._prefill_chunk(kernels.ops, out, q, k, v, pool, seq)
+        return out
+
+    return run

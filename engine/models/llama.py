@@ -34,14 +34,16 @@ from engine.forward_context import get_forward_context
 from engine.kernels import ops
 from engine.kernels.route_table import (
     DETERMINISTIC_SOURCE,
+    FLASH,
     LAYER_CLASSES,
     LM_HEAD_CLASSES,
     ONEDNN,
     PANELS,
+    PREFILL_ATTENTION,
     WIDE,
     RouteTable,
 )
-from engine.layers.attention import PagedAttention, decode_context_lens
+from engine.layers.attention import PagedAttention, decode_context_lens, prefill_probe
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 
@@ -380,6 +382,14 @@ class LlamaForCausalLM(nn.Module):
         ]  # fmt: skip
         return layers, self.lm_head
 
+    def prefill_attention_probe(
+        self, route: str, rows: int, block_size: int
+    ) -> Callable[[], object] | None:
+        """One call of the first layer's prompt-chunk attention on ``route``, for the
+        kernel route timer (``engine.layers.attention.prefill_probe``)."""
+        attn = self.model.layers[0].self_attn.attn
+        return prefill_probe(attn, route, rows, block_size, self.lm_head.weight.dtype)
+
     def set_kernel_routes(self, table: RouteTable | None) -> None:
         """Run each linear layer on ``table``'s route for its row class (None: the
         constants of ``ops.linear``) and free the weight copies no route uses. Set before
@@ -392,14 +402,18 @@ class LlamaForCausalLM(nn.Module):
     def _apply_routes(self) -> None:
         table = self.kernel_routes
         codes: tuple[int, ...] = ()
+        prefill_route = FLASH
         if table is not None and not table.constants:
             codes = ops.route_codes(*(table.routes[c] for c in LAYER_CLASSES))
+            prefill_route = table.routes.get(PREFILL_ATTENTION, FLASH)
         for mod in self.modules():
             if isinstance(mod, Linear):
                 mod.routes = table
                 mod.drop_unrouted()
             elif isinstance(mod, DecoderLayer):
                 mod.route_codes = codes
+            elif isinstance(mod, PagedAttention):
+                mod.prefill_route = prefill_route
         self.model.decode_stack = self.model.make_decode_stack()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -28,6 +28,7 @@ namespace prefill_detail {
 
 constexpr int kRows = 16;  // query rows per work item: the lanes of a V16
 constexpr int kKeys = 16;  // keys per tile
+constexpr int kGroups = 4;  // row groups of one work item, sharing each key tile
 
 // One row group's state: the rows' positions, its queries (as bf16 pairs or transposed
 // fp32), and the running max, sum and transposed output.
@@ -72,22 +73,16 @@ inline const T* key_row(const T* head, const int64_t* table, int64_t key, int64_
 #if defined(__AVX512BF16__)
 // out^T[d] = out^T[d] * alpha + sum_k p[k] * v[k][d] with the bf16 dot product over pairs
 // of keys: the probabilities rounded to bf16 (as flash attention does in bf16), the
-// values exact, the sums in fp32. ``vpair`` (scratch, 8 x D int32) gets the values of
-// keys 2j and 2j+1 interleaved; unpacklo/hi leave each 128-bit lane's 4 dims in place, so
-// dim d sits at (d / 8) * 4 + d % 8 (d % 8 < 4) or 16 + (d / 8) * 4 + d % 8 - 4, per 32.
+// values exact, the sums in fp32, over ``pack_v_pairs``' interleaved values: unpacklo/hi
+// leave each 128-bit lane's 4 dims in place, so dim d sits at (d / 8) * 4 + d % 8 (d % 8 < 4) or 16 + (d / 8) * 4 + d % 8 - 4, per 32.
 inline int32_t vpair_index(int64_t d) {
   const int64_t base = (d / 32) * 32, r = d % 32;
   return int32_t(base + (r % 8 < 4 ? (r / 8) * 4 + r % 8 : 16 + (r / 8) * 4 + r % 8 - 4));
 }
 
-inline void accumulate_pv_bf16(float* ot, const V16* p, V16 alpha, const bf16* const* vrow, int64_t D,
-                               int32_t* vpair) {
-  // Pairs of probabilities, lane r = (p[2j][r], p[2j + 1][r]).
-  const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
-                                         6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  __m512bh pp[kKeys / 2];
-  for (int j = 0; j < kKeys / 2; ++j)
-    pp[j] = (__m512bh)_mm512_permutexvar_epi16(inter, (__m512i)_mm512_cvtne2ps_pbh(p[2 * j + 1].v, p[2 * j].v));
+// The values of keys 2j and 2j + 1 of a tile interleaved into ``vpair`` (8 x D int32),
+// once per key tile for every row group that reads it.
+inline void pack_v_pairs(const bf16* const* vrow, int64_t D, int32_t* vpair) {
   for (int j = 0; j < kKeys / 2; ++j)
     for (int64_t d = 0; d < D; d += 32) {
       const __m512i a = _mm512_loadu_si512(reinterpret_cast<const void*>(vrow[2 * j] + d));
@@ -95,6 +90,15 @@ inline void accumulate_pv_bf16(float* ot, const V16* p, V16 alpha, const bf16* c
       _mm512_storeu_si512(vpair + j * D + d, _mm512_unpacklo_epi16(a, b));
       _mm512_storeu_si512(vpair + j * D + d + 16, _mm512_unpackhi_epi16(a, b));
     }
+}
+
+inline void accumulate_pv_bf16(float* ot, const V16* p, V16 alpha, const int32_t* vpair, int64_t D) {
+  // Pairs of probabilities, lane r = (p[2j][r], p[2j + 1][r]).
+  const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                         6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  __m512bh pp[kKeys / 2];
+  for (int j = 0; j < kKeys / 2; ++j)
+    pp[j] = (__m512bh)_mm512_permutexvar_epi16(inter, (__m512i)_mm512_cvtne2ps_pbh(p[2 * j + 1].v, p[2 * j].v));
   for (int64_t d = 0; d < D; d += 4) {
     const int32_t at = vpair_index(d);  // d..d+3 sit at at..at+3
     __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(ot + (d + 0) * kRows), alpha.v);
@@ -116,6 +120,107 @@ inline void accumulate_pv_bf16(float* ot, const V16* p, V16 alpha, const bf16* c
 }
 #endif
 
+// One row group's running state while it walks the key tiles.
+struct GroupState {
+  RowGroup rg;
+  int64_t r0 = 0;                 // its first row
+  std::vector<float> qt;          // queries, [D][16 rows]
+  std::vector<int32_t> qpair;     // bf16 queries as pairs, [D/2][16 rows]
+  std::vector<float> ot;          // unnormalized output, [D][16 rows]
+  V16 m, l;                       // running max and softmax denominator, per lane
+  void alloc(int64_t D) {
+    qt.resize(size_t(D * kRows));
+    qpair.resize(size_t(D / 2 * kRows));
+    ot.resize(size_t(D * kRows));
+  }
+};
+
+// Scaled scores of a row group against a key tile: s[k] holds key k's score for every row.
+template <typename T>
+inline void tile_scores(V16* s, const GroupState& g, const T* const* krow, bool contiguous, int64_t D, bool dot,
+                        float scale) {
+  for (int k = 0; k < kKeys; ++k) s[k] = vzero();
+#if defined(__AVX512BF16__)
+  if (std::is_same_v<T, bf16> && dot) {
+    // Contiguous keys: fixed offsets from one base, each key's pair broadcast.
+    const int32_t* kb = reinterpret_cast<const int32_t*>(krow[0]);
+    for (int64_t c = 0; c < D / 2; ++c) {
+      const __m512bh qv = (__m512bh)_mm512_loadu_si512(g.qpair.data() + c * kRows);
+      if (contiguous) {
+        for (int k = 0; k < kKeys; ++k)
+          s[k].v = _mm512_dpbf16_ps(s[k].v, qv, (__m512bh)_mm512_set1_epi32(kb[k * D / 2 + c]));
+      } else {
+        for (int k = 0; k < kKeys; ++k) {
+          const int32_t kpair = reinterpret_cast<const int32_t*>(krow[k])[c];
+          s[k].v = _mm512_dpbf16_ps(s[k].v, qv, (__m512bh)_mm512_set1_epi32(kpair));
+        }
+      }
+    }
+  } else
+#endif
+  {
+    if (contiguous) {
+      const T* kb = krow[0];
+      for (int64_t d = 0; d < D; ++d) {
+        const V16 qv = vload(g.qt.data() + d * kRows);
+        for (int k = 0; k < kKeys; ++k) s[k] = vfma(qv, vset(to_f(kb[k * D + d])), s[k]);
+      }
+    } else {
+      for (int64_t d = 0; d < D; ++d) {
+        const V16 qv = vload(g.qt.data() + d * kRows);
+        for (int k = 0; k < kKeys; ++k) s[k] = vfma(qv, vset(to_f(krow[k][d])), s[k]);
+      }
+    }
+  }
+  const V16 sv = vset(scale);
+  for (int k = 0; k < kKeys; ++k) s[k] = vmul(s[k], sv);
+}
+
+// The online softmax step of a tile, lane by lane: scores become probabilities against
+// the new running max; returns the factor the output so far is rescaled by.
+inline V16 online_softmax(V16* s, GroupState& g) {
+  V16 mt = s[0];
+  for (int k = 1; k < kKeys; ++k) mt = vmax(mt, s[k]);
+  const V16 mnew = vmax(g.m, mt);
+  // A row with no key yet (mnew = -inf) takes 0 as its reference: exp(-inf) = 0.
+  alignas(64) float mn[kRows];
+  vstore(mn, mnew);
+  for (int r = 0; r < kRows; ++r)
+    if (mn[r] == -INFINITY) mn[r] = 0.f;
+  const V16 neg = vmul(vload(mn), vset(-1.f));
+  const V16 alpha = vexp(vadd(g.m, neg));
+  V16 sum = vzero();
+  for (int k = 0; k < kKeys; ++k) {
+    s[k] = vexp(vadd(s[k], neg));
+    sum = vadd(sum, s[k]);
+  }
+  g.l = vadd(vmul(g.l, alpha), sum);
+  g.m = mnew;
+  return alpha;
+}
+
+// out^T[d] = out^T[d] * alpha + sum_k p[k] * v[k][d] in fp32; ``v`` is the tile's values,
+// [16 keys][D] fp32.
+inline void accumulate_pv(float* ot, const V16* p, V16 alpha, const float* v, int64_t D) {
+  for (int64_t d = 0; d < D; d += 4) {
+    V16 a0 = vmul(vload(ot + (d + 0) * kRows), alpha);
+    V16 a1 = vmul(vload(ot + (d + 1) * kRows), alpha);
+    V16 a2 = vmul(vload(ot + (d + 2) * kRows), alpha);
+    V16 a3 = vmul(vload(ot + (d + 3) * kRows), alpha);
+    for (int k = 0; k < kKeys; ++k) {
+      const float* vk = v + k * D + d;
+      a0 = vfma(p[k], vset(vk[0]), a0);
+      a1 = vfma(p[k], vset(vk[1]), a1);
+      a2 = vfma(p[k], vset(vk[2]), a2);
+      a3 = vfma(p[k], vset(vk[3]), a3);
+    }
+    vstore(ot + (d + 0) * kRows, a0);
+    vstore(ot + (d + 1) * kRows, a1);
+    vstore(ot + (d + 2) * kRows, a2);
+    vstore(ot + (d + 3) * kRows, a3);
+  }
+}
+
 }  // namespace prefill_detail
 
 // out: [n, H, D], q: [n, H, D] (unit last stride) for the chunk's tokens at positions
@@ -131,7 +236,6 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& q, const T* kc, c
   const int64_t G = H / Hkv;
   const int64_t rows_total = n * G;
   const int64_t groups = (rows_total + kRows - 1) / kRows;
-  const int64_t items = groups * Hkv;
   const int64_t key_end = start + n;
   const float scale = float(scale_d);
   // The bf16 dot-product paths take head dims in whole 512-bit registers of bf16.
@@ -139,46 +243,51 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& q, const T* kc, c
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
+  // Work items: (KV head, run of kGroups row groups). The groups of a run share each key
+  // tile while it sits in L1: a long context is read once per run, not once per 16 rows.
+  const int64_t runs = (groups + kGroups - 1) / kGroups;
+  const int64_t items = runs * Hkv;
   std::atomic<int64_t> next{0};
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    // Per-thread scratch: queries as pairs or transposed, output transposed, V tile widened.
-    std::vector<float> qt(size_t(D * kRows));
-    std::vector<int32_t> qpair(size_t(D / 2 * kRows));
-    std::vector<float> ot(size_t(D * kRows));
+    GroupState st[kGroups];
+    for (auto& g : st) g.alloc(D);
     std::vector<float> vf(size_t(kKeys * D));
     std::vector<int32_t> vpair(size_t(kKeys / 2 * D));
     for (int64_t it = next.fetch_add(1); it < items; it = next.fetch_add(1)) {
       // Largest first: the last row groups see the most keys.
-      const int64_t group = groups - 1 - it / Hkv;
+      const int64_t run = runs - 1 - it / Hkv;
       const int64_t h = it % Hkv;
-      RowGroup rg;
-      const int64_t r0 = group * kRows;
-      for (int r = 0; r < kRows; ++r) {
-        const int64_t row = std::min(r0 + r, rows_total - 1);
-        rg.pos[r] = start + row / G;
-      }
-      rg.pos_min = rg.pos[0];
-      const int64_t pos_max = rg.pos[kRows - 1];
-      rg.hi = pos_max + 1;
-      rg.lo = window > 0 ? std::max<int64_t>(0, rg.pos_min - window + 1) : 0;
-      // Queries of the group, transposed to [D][16 rows] (fp32) and, for the bf16 dot
-      // product, as [D/2][16 rows] pairs.
-      for (int r = 0; r < kRows; ++r) {
-        const int64_t row = std::min(r0 + r, rows_total - 1);
-        const T* qrow = qp + (row / G) * qs0 + (h * G + row % G) * qs1;
-        for (int64_t d = 0; d < D; ++d) qt[size_t(d * kRows + r)] = to_f(qrow[d]);
-        if constexpr (std::is_same_v<T, bf16>) {
-          const int32_t* pairs = reinterpret_cast<const int32_t*>(qrow);
-          for (int64_t c = 0; c < D / 2; ++c) qpair[size_t(c * kRows + r)] = pairs[c];
+      const int ng = int(std::min<int64_t>(kGroups, groups - run * kGroups));
+      int64_t lo = INT64_MAX, hi = 0;
+      for (int j = 0; j < ng; ++j) {
+        GroupState& g = st[j];
+        g.r0 = (run * kGroups + j) * kRows;
+        RowGroup& rg = g.rg;
+        for (int r = 0; r < kRows; ++r) rg.pos[r] = start + std::min(g.r0 + r, rows_total - 1) / G;
+        rg.pos_min = rg.pos[0];
+        rg.hi = rg.pos[kRows - 1] + 1;
+        rg.lo = window > 0 ? std::max<int64_t>(0, rg.pos_min - window + 1) : 0;
+        lo = std::min(lo, rg.lo);
+        hi = std::max(hi, rg.hi);
+        // Queries, transposed to [D][16 rows] (fp32) and, for the bf16 dot product, as
+        // [D/2][16 rows] pairs.
+        for (int r = 0; r < kRows; ++r) {
+          const int64_t row = std::min(g.r0 + r, rows_total - 1);
+          const T* qrow = qp + (row / G) * qs0 + (h * G + row % G) * qs1;
+          for (int64_t d = 0; d < D; ++d) g.qt[size_t(d * kRows + r)] = to_f(qrow[d]);
+          if constexpr (std::is_same_v<T, bf16>) {
+            const int32_t* pairs = reinterpret_cast<const int32_t*>(qrow);
+            for (int64_t c = 0; c < D / 2; ++c) g.qpair[size_t(c * kRows + r)] = pairs[c];
+          }
         }
+        g.m = vset(-INFINITY);
+        g.l = vzero();
+        std::fill(g.ot.begin(), g.ot.end(), 0.f);
       }
-      V16 m = vset(-INFINITY), l = vzero();
-      std::fill(ot.begin(), ot.end(), 0.f);
       const T* kh = kc + h * NB * bs * D;
       const T* vh = vc + h * NB * bs * D;
-      const V16 sv = vset(scale);
-      for (int64_t k0 = rg.lo / kKeys * kKeys; k0 < rg.hi; k0 += kKeys) {
+      for (int64_t k0 = lo / kKeys * kKeys; k0 < hi; k0 += kKeys) {
         const T* krow[kKeys];
         const T* vrow[kKeys];
         for (int k = 0; k < kKeys; ++k) {
@@ -186,92 +295,49 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& q, const T* kc, c
           krow[k] = key_row(kh, table, key, bs, D);
           vrow[k] = key_row(vh, table, key, bs, D);
         }
-        // Scores [16 keys] x [16 rows].
-        V16 s[kKeys];
-        for (int k = 0; k < kKeys; ++k) s[k] = vzero();
+        // 16 keys in one block (block size a multiple of 16), none past the chunk.
+        const bool contiguous = bs % kKeys == 0 && k0 + kKeys <= key_end;
+        bool packed = false;  // the tile's values, interleaved or widened, for P.V
+        const float* vsrc = vf.data();
+        for (int j = 0; j < ng; ++j) {
+          GroupState& g = st[j];
+          if (k0 >= g.rg.hi || k0 + kKeys <= g.rg.lo) continue;
+          V16 s[kKeys];
+          tile_scores<T>(s, g, krow, contiguous, D, dot, scale);
+          if (!tile_open(g.rg, k0, key_end, window)) mask_tile(s, g.rg, k0, key_end, window);
+          const V16 alpha = online_softmax(s, g);
 #if defined(__AVX512BF16__)
-        if (std::is_same_v<T, bf16> && dot) {
-          // 16 keys in one block (block size a multiple of 16): fixed offsets from one
-          // base, so each key's pair is an embedded broadcast of the dot product.
-          const int32_t* kb = reinterpret_cast<const int32_t*>(krow[0]);
-          const bool contiguous = bs % kKeys == 0 && k0 + kKeys <= key_end;
-          for (int64_t c = 0; c < D / 2; ++c) {
-            const __m512bh qv = (__m512bh)_mm512_loadu_si512(qpair.data() + c * kRows);
-            if (contiguous) {
-              for (int k = 0; k < kKeys; ++k)
-                s[k].v = _mm512_dpbf16_ps(s[k].v, qv, (__m512bh)_mm512_set1_epi32(kb[k * D / 2 + c]));
-            } else {
-              for (int k = 0; k < kKeys; ++k) {
-                const int32_t kpair = reinterpret_cast<const int32_t*>(krow[k])[c];
-                s[k].v = _mm512_dpbf16_ps(s[k].v, qv, (__m512bh)_mm512_set1_epi32(kpair));
-              }
+          if constexpr (std::is_same_v<T, bf16>) {
+            if (dot) {
+              if (!packed) pack_v_pairs(vrow, D, vpair.data());
+              packed = true;
+              accumulate_pv_bf16(g.ot.data(), s, alpha, vpair.data(), D);
+              continue;
             }
           }
-        } else
 #endif
-        {
-          for (int64_t d = 0; d < D; ++d) {
-            const V16 qv = vload(qt.data() + d * kRows);
-            for (int k = 0; k < kKeys; ++k) s[k] = vfma(qv, vset(to_f(krow[k][d])), s[k]);
+          if (!packed) {
+            if (std::is_same_v<T, float> && contiguous) {
+              vsrc = reinterpret_cast<const float*>(vrow[0]);
+            } else {
+              for (int k = 0; k < kKeys; ++k)
+                for (int64_t d = 0; d < D; d += 16) vstore(vf.data() + k * D + d, vload(vrow[k] + d));
+            }
+            packed = true;
           }
-        }
-        for (int k = 0; k < kKeys; ++k) s[k] = vmul(s[k], sv);
-        if (!tile_open(rg, k0, key_end, window)) mask_tile(s, rg, k0, key_end, window);
-        // Online softmax, lane by lane.
-        V16 mt = s[0];
-        for (int k = 1; k < kKeys; ++k) mt = vmax(mt, s[k]);
-        const V16 mnew = vmax(m, mt);
-        // A row with no key yet (mnew = -inf) takes 0 as its reference: exp(-inf) = 0.
-        alignas(64) float mn[kRows];
-        vstore(mn, mnew);
-        for (int r = 0; r < kRows; ++r)
-          if (mn[r] == -INFINITY) mn[r] = 0.f;
-        const V16 ref = vload(mn);
-        const V16 neg = vmul(ref, vset(-1.f));
-        const V16 alpha = vexp(vadd(m, neg));
-        V16 sum = vzero();
-        for (int k = 0; k < kKeys; ++k) {
-          s[k] = vexp(vadd(s[k], neg));
-          sum = vadd(sum, s[k]);
-        }
-        l = vadd(vmul(l, alpha), sum);
-        m = mnew;
-#if defined(__AVX512BF16__)
-        if constexpr (std::is_same_v<T, bf16>) {
-          if (dot) {
-            accumulate_pv_bf16(ot.data(), s, alpha, vrow, D, vpair.data());
-            continue;
-          }
-        }
-#endif
-        // Values widened once, then out^T[d] = out^T[d] * alpha + sum_k p[k] * v[k][d].
-        for (int k = 0; k < kKeys; ++k)
-          for (int64_t d = 0; d < D; d += 16) vstore(vf.data() + k * D + d, vload(vrow[k] + d));
-        for (int64_t d = 0; d < D; d += 4) {
-          V16 a0 = vmul(vload(ot.data() + (d + 0) * kRows), alpha);
-          V16 a1 = vmul(vload(ot.data() + (d + 1) * kRows), alpha);
-          V16 a2 = vmul(vload(ot.data() + (d + 2) * kRows), alpha);
-          V16 a3 = vmul(vload(ot.data() + (d + 3) * kRows), alpha);
-          for (int k = 0; k < kKeys; ++k) {
-            const float* vk = vf.data() + k * D + d;
-            a0 = vfma(s[k], vset(vk[0]), a0);
-            a1 = vfma(s[k], vset(vk[1]), a1);
-            a2 = vfma(s[k], vset(vk[2]), a2);
-            a3 = vfma(s[k], vset(vk[3]), a3);
-          }
-          vstore(ot.data() + (d + 0) * kRows, a0);
-          vstore(ot.data() + (d + 1) * kRows, a1);
-          vstore(ot.data() + (d + 2) * kRows, a2);
-          vstore(ot.data() + (d + 3) * kRows, a3);
+          accumulate_pv(g.ot.data(), s, alpha, vsrc, D);
         }
       }
-      alignas(64) float inv[kRows];
-      vstore(inv, l);
-      for (int r = 0; r < kRows && r0 + r < rows_total; ++r) {
-        const int64_t row = r0 + r;
-        T* orow = op + (row / G) * os0 + (h * G + row % G) * os1;
-        const float li = 1.f / inv[r];
-        for (int64_t d = 0; d < D; ++d) store_f(orow + d, ot[size_t(d * kRows + r)] * li);
+      for (int j = 0; j < ng; ++j) {
+        const GroupState& g = st[j];
+        alignas(64) float inv[kRows];
+        vstore(inv, g.l);
+        for (int r = 0; r < kRows && g.r0 + r < rows_total; ++r) {
+          const int64_t row = g.r0 + r;
+          T* orow = op + (row / G) * os0 + (h * G + row % G) * os1;
+          const float li = 1.f / inv[r];
+          for (int64_t d = 0; d < D; ++d) store_f(orow + d, g.ot[size_t(d * kRows + r)] * li);
+        }
       }
     }
   });
