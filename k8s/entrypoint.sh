@@ -66,8 +66,11 @@ run_pair() {
   decode=$!
   if [ "$stopping" = 1 ]; then kill -TERM "$prefill" "$decode" 2>/dev/null || true; fi
   # Poll rather than `wait -n` (not POSIX); a short sleep in the background keeps the
-  # traps prompt.
+  # traps prompt. Once stopping, the signal is repeated each round: a worker forked while
+  # it came can lose it (the forked shell resets its traps before it execs), and the
+  # services take a repeated SIGTERM as the same request (rpc/server.py).
   while kill -0 "$prefill" 2>/dev/null && kill -0 "$decode" 2>/dev/null; do
+    if [ "$stopping" = 1 ]; then kill -TERM "$prefill" "$decode" 2>/dev/null || true; fi
     sleep 1 &
     wait "$!" || true
   done
@@ -87,6 +90,11 @@ run_pair() {
     kill -TERM "$other" 2>/dev/null || true
     if [ "$status" -eq 0 ]; then status=1; fi
   fi
+  while [ "$stopping" = 1 ] && kill -0 "$other" 2>/dev/null; do
+    kill -TERM "$other" 2>/dev/null || true
+    sleep 1 &
+    wait "$!" || true
+  done
   other_status=0
   wait "$other" || other_status=$?
   if [ "$status" -eq 0 ]; then status=$other_status; fi

@@ -370,14 +370,24 @@ async def serve(spec: ServerSpec) -> None:
     finally:
         for task in waits:
             task.cancel()
-        for sig in signals:
-            loop.remove_signal_handler(sig)
-        await server.stop()
+        # A second SIGINT stops at once (the default action); a repeated SIGTERM is the
+        # same request again (an entrypoint repeats it until its workers exit) and must
+        # not cut the drain short.
+        loop.remove_signal_handler(signal.SIGINT)
+        loop.add_signal_handler(signal.SIGTERM, _on_repeat, spec.name)
+        try:
+            await server.stop()
+        finally:
+            loop.remove_signal_handler(signal.SIGTERM)
 
 
 def _on_signal(name: str, sig: signal.Signals, stop_requested: asyncio.Event) -> None:
     logger.info("%s received %s", name, sig.name)
     stop_requested.set()
+
+
+def _on_repeat(name: str) -> None:
+    logger.debug("%s received SIGTERM again while stopping; draining goes on", name)
 
 
 def write_port_file(path: Path, port: int) -> None:

@@ -116,9 +116,15 @@ def test_the_toolchain_step_refuses_nothing_it_should_not(variant: str, tmp_path
 
 FAKE_PYTHON = """#!/bin/sh
 # python -m MODULE FLAGS...: logs its start and its SIGTERM; prefill_service exits with
-# $PREFILL_EXIT after a moment when that is set.
+# $PREFILL_EXIT after a moment when that is set. With $LOSE_TERM set, the first SIGTERM
+# is lost, as one sent between a worker's fork and its exec is.
 mod="$2"; shift 2
-trap 'echo "$mod TERM" >> "$LOG"; exit 0' TERM
+lost=0
+on_term() {
+  if [ -n "${LOSE_TERM:-}" ] && [ "$lost" = 0 ]; then lost=1; return; fi
+  echo "$mod TERM" >> "$LOG"; exit 0
+}
+trap on_term TERM
 echo "$mod $*" >> "$LOG"
 if [ "$mod" = prefill_service ] && [ -n "${PREFILL_EXIT:-}" ]; then
   sleep 0.5
@@ -205,6 +211,20 @@ def test_pair_stopped_while_its_workers_start_leaves_none_running(tmp_path: Path
                 os.killpg(proc.pid, signal.SIGKILL)
                 raise AssertionError(f"a worker outlived the entrypoint (attempt {attempt})")
             time.sleep(0.02)
+
+
+def test_pair_repeats_the_signal_to_a_worker_that_lost_it(tmp_path: Path) -> None:
+    """A worker forked while the signal came can lose it (its shell resets the traps
+    before it execs): the entrypoint repeats SIGTERM until both exit, instead of waiting
+    on that worker until the kubelet's SIGKILL."""
+    proc, log = start_pair(tmp_path, "--port", "1", "--", "--port", "2", LOSE_TERM="1")
+    wait_for_lines(log, 2)
+    proc.send_signal(signal.SIGTERM)
+    assert exit_status(proc) == 0
+    assert sorted(log.read_text().splitlines()[2:]) == [
+        "decode_service TERM",
+        "prefill_service TERM",
+    ]
 
 
 def test_pair_stops_the_other_worker_and_fails_when_one_exits(tmp_path: Path) -> None:

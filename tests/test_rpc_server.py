@@ -567,6 +567,11 @@ async def test_sigterm_drains_an_in_flight_stream_then_exits(tmp_path: Path) -> 
 
             await eventually(not_serving)
             assert (await stats_error(channel)).code() is grpc.StatusCode.UNAVAILABLE
+            # The same request again (an entrypoint repeats it): the drain goes on.
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.2)
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.3)
             assert proc.poll() is None, "server exited before its in-flight stream finished"
 
             release_file.touch()
