@@ -12,10 +12,15 @@
 //     per row group) times one key's pair broadcast to every lane, with the AVX512-BF16
 //     dot product (exact products, fp32 sums), one accumulator per key of a 16-key tile;
 //   - online softmax in fp32, per lane;
-//   - P.V in fp32: the output kept transposed, [D][16 rows], each key's value element
-//     broadcast against the 16 rows' probabilities.
-// Work items are (KV head, group of 16 rows), taken largest first from a shared counter,
-// since a causal row's work grows with its position.
+//   - P.V into the output kept transposed, [D][16 rows]: in bf16 the probabilities are
+//     rounded to bf16 (as flash attention does) and paired over keys for the dot product
+//     against each pair of values broadcast; in fp32 (and head dims not a multiple of 32)
+//     fp32 FMAs against each value broadcast.
+// Work items are (KV head, run of kGroups row groups): the groups of a run share each key
+// tile while it sits in L1, so a long context is read once per run. Items are taken
+// largest first from a shared counter, since a causal row's work grows with its position.
+// A row's result depends on its own keys alone (tiles on fixed 16-key edges, masked keys
+// adding exact zeros), not on the threads or the rows beside it.
 #pragma once
 
 #include <atomic>
@@ -30,8 +35,7 @@ constexpr int kRows = 16;  // query rows per work item: the lanes of a V16
 constexpr int kKeys = 16;  // keys per tile
 constexpr int kGroups = 4;  // row groups of one work item, sharing each key tile
 
-// One row group's state: the rows' positions, its queries (as bf16 pairs or transposed
-// fp32), and the running max, sum and transposed output.
+// The positions of one group of 16 rows and the keys they may attend to.
 struct RowGroup {
   int64_t pos[kRows];   // position of each row's token (past the chunk: a copy of the last)
   int64_t lo, hi;       // keys [lo, hi) that any row of the group may attend to
