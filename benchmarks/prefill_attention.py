@@ -6,12 +6,15 @@ a prompt, at several (cached context, chunk) shapes: a short prompt in one chunk
 last chunks of a 2k system prompt and of a prompt near ``max_model_len`` 8192). The pool
 is on huge pages with shuffled block ids, as a running server's is.
 
-- ``sdpa``: what the model ran before the kernel and still runs as its torch twin
-  (``PagedAttention._prefill``): the chunk's own K/V for a first chunk with
-  ``is_causal``; for a later chunk the context gathered from the pool (``index_select``)
-  and an explicit mask.
-- ``kernel``: ``torch.ops.baton_cpu.prefill_attention`` (``csrc/prefill_attention.h``),
-  which reads every key, the chunk's own included, from the pool.
+- ``sdpa``: what the model ran before the kernel and still runs as its torch twin and
+  the ``torch`` route (``PagedAttention._prefill``): the chunk's own K/V for a first
+  chunk with ``is_causal``; for a later chunk the context gathered from the pool
+  (``index_select``) and an explicit mask.
+- ``kernel``: the ``flash`` route, ``torch.ops.baton_cpu.prefill_attention``
+  (``csrc/prefill_attention.h``), which reads every key, the chunk's own included, from
+  the pool.
+
+Both run through the start-up route timer's probe (``engine.layers.attention.prefill_probe``).
 
 Prints and writes (``benchmarks/results/prefill_attention_<date>.md``) the median time of
 each, its GFLOP/s (causal: only the attended pairs count) and the ratio, with the max
@@ -34,10 +37,9 @@ import torch
 
 from benchmarks.common import markdown_table
 from benchmarks.provenance import REPO, header_lines
-from engine.forward_context import PrefillSeq
-from engine.huge_pages import zeros_on_huge_pages
 from engine.kernels.cpu import cpu_kernels
-from engine.layers.attention import PagedAttention
+from engine.kernels.route_table import FLASH, TORCH
+from engine.layers.attention import PagedAttention, prefill_probe
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 # (tokens cached before the chunk, chunk tokens)
@@ -65,31 +67,15 @@ def main() -> None:
         sys.exit("the compiled CPU kernels are unavailable here")
     load_before = os.getloadavg()
     rows = []
-    gen = torch.Generator().manual_seed(0)
+    attn = PagedAttention(0, HEADS, KV_HEADS, HEAD_DIM)
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name)
         for start, n in SHAPES:
-            total = start + n
-            nblocks = (total + BLOCK - 1) // BLOCK
-            pool_blocks = 2 * nblocks + 1
-            pool = zeros_on_huge_pages((1, 2, KV_HEADS, pool_blocks, BLOCK, HEAD_DIM), dtype)
-            pool.copy_(torch.randn(pool.shape, generator=gen))
-            ids = torch.randperm(pool_blocks - 1, generator=gen)[:nblocks] + 1
-            q = torch.randn((n, HEADS, HEAD_DIM), generator=gen).to(dtype)
-            k_own = pool[0, 0].index_select(1, ids).view(KV_HEADS, -1, HEAD_DIM)[:, start:total]
-            v_own = pool[0, 1].index_select(1, ids).view(KV_HEADS, -1, HEAD_DIM)[:, start:total]
-            k_own, v_own = k_own.transpose(0, 1).contiguous(), v_own.transpose(0, 1).contiguous()
-            attn = PagedAttention(0, HEADS, KV_HEADS, HEAD_DIM)
-            seq = PrefillSeq(q_start=0, q_len=n, start=start, block_ids=ids)
-            out = torch.empty_like(q)
-
-            def sdpa(q=q, k_own=k_own, v_own=v_own, pool=pool, seq=seq, attn=attn) -> torch.Tensor:
-                return attn._prefill(q, k_own, v_own, pool[0, 0], pool[0, 1], seq)
-
-            def kernel(q=q, pool=pool, ids=ids, start=start, out=out, attn=attn) -> torch.Tensor:
-                kernels.ops.prefill_attention(out, q, pool, 0, ids, start, attn.scale, 0)
-                return out
-
+            # The route timer's probe, at this shape: the same data on both routes.
+            sdpa = prefill_probe(attn, TORCH, n, BLOCK, dtype, cached=start)
+            kernel = prefill_probe(attn, FLASH, n, BLOCK, dtype, cached=start)
+            if sdpa is None or kernel is None:
+                sys.exit(f"the probe cannot run {name} here")
             diff = (sdpa().float() - kernel().float()).abs().max().item()
             times: dict[str, list[float]] = {"sdpa": [], "kernel": []}
             with torch.inference_mode():

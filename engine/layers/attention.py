@@ -57,6 +57,7 @@ from engine.forward_context import (
     forward_context,
     get_forward_context,
 )
+from engine.huge_pages import zeros_on_huge_pages
 from engine.kernels.cpu import cpu_kernels
 from engine.kernels.route_table import FLASH, TORCH
 
@@ -412,12 +413,19 @@ class PagedAttention(nn.Module):
 
 
 def prefill_probe(
-    attn: PagedAttention, route: str, rows: int, block_size: int, dtype: torch.dtype
+    attn: PagedAttention,
+    route: str,
+    rows: int,
+    block_size: int,
+    dtype: torch.dtype,
+    cached: int | None = None,
 ) -> Callable[[], object] | None:
     """One call of ``attn``'s prompt-chunk attention on ``route`` (FLASH or TORCH) for the
-    kernel route timer (``engine.kernels.route_bench``): a chunk of ``rows`` tokens after
-    three times as many cached ones, in shuffled blocks of a pool of its own; the call
-    returns the chunk's output. None where the route cannot run this layer here."""
+    kernel route timer (``engine.kernels.route_bench``) and ``benchmarks.prefill_attention``:
+    a chunk of ``rows`` tokens after ``cached`` ones (default three times as many), in
+    shuffled blocks of a huge-page pool of its own, as the engine's is; the call returns
+    the chunk's output. The same arguments give the same data on either route. None where
+    the route cannot run this layer here."""
     kernels = cpu_kernels()
     if route not in (FLASH, TORCH) or dtype not in _KERNEL_DTYPES:
         return None
@@ -427,15 +435,21 @@ def prefill_probe(
         0, attn.num_heads, attn.num_kv_heads, attn.head_dim, sliding_window=attn.sliding_window
     )
     probe.prefill_route = route
-    cached = 3 * rows
+    cached = 3 * rows if cached is None else cached
+    hkv, d = attn.num_kv_heads, attn.head_dim
     blocks = -(-(cached + rows) // block_size)
     gen = torch.Generator().manual_seed(0)
-    shape = (1, 2, attn.num_kv_heads, 2 * blocks + 1, block_size, attn.head_dim)
-    pool = torch.randn(shape, generator=gen).to(dtype)
+    shape = (1, 2, hkv, 2 * blocks + 1, block_size, d)
+    pool = zeros_on_huge_pages(shape, dtype)
+    pool.copy_(torch.randn(shape, generator=gen))
     ids = torch.randperm(2 * blocks, generator=gen)[:blocks] + 1
-    q = torch.randn((rows, attn.num_heads, attn.head_dim), generator=gen).to(dtype)
-    k = torch.randn((rows, attn.num_kv_heads, attn.head_dim), generator=gen).to(dtype)
-    v = torch.randn_like(k)
+    q = torch.randn((rows, attn.num_heads, d), generator=gen).to(dtype)
+    # The chunk's own K/V, as write_kv leaves them in the pool.
+    own = slice(cached, cached + rows)
+    k, v = (
+        pool[0, i].index_select(1, ids).view(hkv, -1, d)[:, own].transpose(0, 1).contiguous()
+        for i in (0, 1)
+    )
     out = torch.empty_like(q)
     seq = PrefillSeq(q_start=0, q_len=rows, start=cached, block_ids=ids)
 

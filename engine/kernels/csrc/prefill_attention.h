@@ -244,6 +244,13 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& q, const T* kc, c
   const float scale = float(scale_d);
   // The bf16 dot-product paths take head dims in whole 512-bit registers of bf16.
   const bool dot = D % 32 == 0;
+  // Whether the scores take the queries as bf16 pairs (tile_scores' dot product) rather
+  // than transposed to fp32: only one of the two is filled.
+#if defined(__AVX512BF16__)
+  const bool pairs = std::is_same_v<T, bf16> && dot;
+#else
+  const bool pairs = false;
+#endif
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
@@ -274,15 +281,16 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& q, const T* kc, c
         rg.lo = window > 0 ? std::max<int64_t>(0, rg.pos_min - window + 1) : 0;
         lo = std::min(lo, rg.lo);
         hi = std::max(hi, rg.hi);
-        // Queries, transposed to [D][16 rows] (fp32) and, for the bf16 dot product, as
-        // [D/2][16 rows] pairs.
+        // Queries as [D/2][16 rows] bf16 pairs for the dot product, else transposed to
+        // [D][16 rows] fp32.
         for (int r = 0; r < kRows; ++r) {
           const int64_t row = std::min(g.r0 + r, rows_total - 1);
           const T* qrow = qp + (row / G) * qs0 + (h * G + row % G) * qs1;
-          for (int64_t d = 0; d < D; ++d) g.qt[size_t(d * kRows + r)] = to_f(qrow[d]);
-          if constexpr (std::is_same_v<T, bf16>) {
-            const int32_t* pairs = reinterpret_cast<const int32_t*>(qrow);
-            for (int64_t c = 0; c < D / 2; ++c) g.qpair[size_t(c * kRows + r)] = pairs[c];
+          if (pairs) {
+            const int32_t* qp2 = reinterpret_cast<const int32_t*>(qrow);
+            for (int64_t c = 0; c < D / 2; ++c) g.qpair[size_t(c * kRows + r)] = qp2[c];
+          } else {
+            for (int64_t d = 0; d < D; ++d) g.qt[size_t(d * kRows + r)] = to_f(qrow[d]);
           }
         }
         g.m = vset(-INFINITY);
