@@ -11,26 +11,28 @@ namespace baton_kernels {
 constexpr bool kHasBf16Dot = true;
 
 // y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for MB rows of x and R = 16 / MB rows of w
-// at a time: 16 accumulators, summed in one transpose-and-add tree.
+// at a time: 16 accumulators, summed in one transpose-and-add tree. The R rows of w are
+// read whole, one after another: the tile is then one sequential stream that the hardware
+// prefetcher follows, where stepping all R rows along k together made R short strided
+// streams (batch-1 layers read 1.2-1.45x slower that way; software prefetch only hurt).
 template <int MB>
 inline void gemv_tile(const bf16* x, int64_t xs, const bf16* w, int64_t K, const bf16* bias, bf16* y,
                       int64_t ys, int64_t n0, int64_t n1) {
   constexpr int R = MB == 3 ? 4 : 16 / MB;
-  constexpr int64_t kAhead = R;  // rows of w prefetched: one tile ahead
   int64_t n = n0;
   for (; n + R <= n1; n += R) {
     V16 acc[16];
-    for (int j = 0; j < 16; ++j) acc[j] = vzero();
-    for (int64_t k = 0; k < K; k += 32) {
-      for (int r = 0; r < R; ++r)
-        _mm_prefetch(reinterpret_cast<const char*>(w + (n + kAhead + r) * K + k), _MM_HINT_T0);
-      __m512bh xv[MB];
-      for (int m = 0; m < MB; ++m)
-        xv[m] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(x + m * xs + k));
-      for (int r = 0; r < R; ++r) {
-        const __m512bh wv = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(w + (n + r) * K + k));
-        for (int m = 0; m < MB; ++m) acc[m * R + r].v = _mm512_dpbf16_ps(acc[m * R + r].v, xv[m], wv);
+    for (int j = 0; j < 16; ++j) acc[j] = vzero();  // MB == 3 leaves four unused
+    for (int r = 0; r < R; ++r) {
+      const bf16* wr = w + (n + r) * K;
+      __m512 a[MB];
+      for (int m = 0; m < MB; ++m) a[m] = _mm512_setzero_ps();
+      for (int64_t k = 0; k < K; k += 32) {
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(wr + k));
+        for (int m = 0; m < MB; ++m)
+          a[m] = _mm512_dpbf16_ps(a[m], (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(x + m * xs + k)), wv);
       }
+      for (int m = 0; m < MB; ++m) acc[m * R + r].v = a[m];
     }
     alignas(64) float sums[16];
     vstore(sums, vreduce16(acc));
