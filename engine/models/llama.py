@@ -31,6 +31,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.forward_context import get_forward_context
+from engine.huge_pages import HugePageArena
 from engine.kernels import ops
 from engine.kernels.route_table import (
     DETERMINISTIC_SOURCE,
@@ -316,6 +317,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         # Whether ``prepare_fast_path`` packs panels (EngineConfig.linear_panels).
         self.linear_panels = True
+        # Where the weights that ``_weights_on_huge_pages`` moved start.
+        self._arena_ptrs: set[int] = set()
         # What each module chose for itself (kernel availability, shapes it serves).
         self._fast_defaults = {
             name: mod.use_kernel for name, mod in self.named_modules() if hasattr(mod, "use_kernel")
@@ -341,10 +344,29 @@ class LlamaForCausalLM(nn.Module):
         ``linear_panels`` is False) and gather the fused decode stack. Call after the
         weights are loaded and cast to their final dtype and device; a no-op for layers on
         their torch twin."""
+        self._weights_on_huge_pages()
         for mod in self.modules():
             if isinstance(mod, Linear):
                 mod.prepack(panels=self.linear_panels)
         self._apply_routes()
+
+    def _weights_on_huge_pages(self) -> None:
+        """Move the linear layers' weights (the LM head's, and so a tied embedding's,
+        included) into one huge-page arena on CPU: batch-1 decode streams them all every
+        step, and on small pages the GEMV kernel read them 1.2x slower (``python -m
+        benchmarks.gemv_read``). Weights already there (a second call) stay put."""
+        weights: dict[int, nn.Parameter] = {}
+        for mod in self.modules():
+            if isinstance(mod, Linear) and mod.use_kernel and mod.weight.device.type == "cpu":
+                weights.setdefault(id(mod.weight), mod.weight)
+        moving = [w for w in weights.values() if w.data_ptr() not in self._arena_ptrs]
+        arena = HugePageArena.for_tensors([w.data for w in moving])
+        if arena is None:
+            return
+        for weight in moving:
+            # One at a time, so each original is freed before the next is copied.
+            weight.data = arena.place(weight.data.contiguous())
+            self._arena_ptrs.add(weight.data_ptr())
 
     def set_deterministic(self, split: int) -> None:
         """Deterministic mode with the attention's KV split of ``split`` tokens (0: off).
