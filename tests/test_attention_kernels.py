@@ -31,9 +31,8 @@ needs_kernels = pytest.mark.skipif(KERNELS is None, reason="compiled CPU kernels
 BACKENDS = ["torch", pytest.param("cpu-kernel", marks=needs_kernels)]
 DTYPES = [torch.float32, torch.bfloat16]
 # Max abs error against the float64 reference, for outputs of magnitude ~1. The torch path
-# rounds bf16 scores and probabilities; the decode kernel rounds only its output, the
-# prefill kernel its probabilities (bf16 dot product for P.V, as flash attention does) and
-# its output.
+# rounds bf16 scores and probabilities; the decode and prefill kernels round their
+# probabilities (bf16 dot product for P.V, as flash attention does) and their output.
 TOL = {
     ("torch", torch.float32): 1e-5,
     ("cpu-kernel", torch.float32): 1e-5,
@@ -190,6 +189,24 @@ def test_head_shapes(backend: str, heads: int, kv_heads: int, head_dim: int) -> 
     seqs = [Seq(c, 1) for c in (3, 16, 70)] + [Seq(20, 9)]
     err, _, _ = _run(seqs, heads=heads, kv_heads=kv_heads, head_dim=head_dim, backend=backend)
     assert err < 1e-5, err
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(8, 1, 128), (9, 3, 64), (4, 4, 32)])
+@pytest.mark.parametrize("block", [8, 16, 32])
+@needs_kernels
+def test_bf16_decode_kernel_head_dims_and_blocks(
+    heads: int, kv_heads: int, head_dim: int, block: int
+) -> None:
+    # The one-pass kernel (head dims 64, 128) reads a block of 8 as a partial 16-token
+    # group and one of 32 as two; head dim 32 takes the two-pass form. Contexts end at
+    # many offsets in a block, and a window starts mid-block.
+    seqs = [Seq(c, 1) for c in (0, 1, 6, 15, 16, 17, 40, 95, 200)]
+    for window in (0, 37):
+        err, _, _ = _run(
+            seqs, dtype=torch.bfloat16, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+            backend="cpu-kernel", block=block, seed=block + head_dim, window=window,
+        )  # fmt: skip
+        assert err < TOL[("cpu-kernel", torch.bfloat16)], (window, err)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

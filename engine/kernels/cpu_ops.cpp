@@ -3,7 +3,9 @@
 // Built once per machine by engine/kernels/cpu.py (g++ -O3 -march=native -fopenmp
 // -ffp-contract=off). Every op is an optional plug-in with a plain-torch twin that gives
 // the same result: rms_norm and rotary replicate torch's rounding step by step (bit-exact);
-// decode_attention and linear differ from torch only in fp32 summation order.
+// linear differs from torch only in fp32 summation order, and so does decode_attention,
+// except that in bf16 it rounds the softmax numerators to bf16 for P.V (as flash
+// attention and prefill_attention do).
 //
 // Vector code is written once against a 16-lane fp32 type, V16, which is one AVX-512
 // register where the compiler targets AVX-512 and a plain array elsewhere.
