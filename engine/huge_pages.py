@@ -25,6 +25,7 @@ import math
 import mmap
 import os
 import sys
+import weakref
 from pathlib import Path
 
 import torch
@@ -91,6 +92,18 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // _ARENA_ALIGN) * _ARENA_ALIGN
 
 
+# The arenas of this process whose mappings are alive: (mapping, first byte, end).
+_ARENAS: list[tuple[weakref.ref[mmap.mmap], int, int]] = []
+
+
+def on_an_arena(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` lies in a ``HugePageArena`` (whose mapping is still alive: any
+    tensor in it keeps it so, and nothing else can be at those addresses meanwhile)."""
+    _ARENAS[:] = [a for a in _ARENAS if a[0]() is not None]
+    at = tensor.data_ptr()
+    return any(begin <= at < end for _, begin, end in _ARENAS)
+
+
 class HugePageArena:
     """One huge-page mapping that contiguous CPU tensors are copied into, one after
     another (``place``). Each placed tensor keeps the whole mapping alive, so place only
@@ -104,6 +117,8 @@ class HugePageArena:
         self._buffer, self._offset = _advised_mapping(nbytes)
         self._end = self._offset + nbytes
         self._next = self._offset
+        base = torch.frombuffer(self._buffer, dtype=torch.uint8, count=1).data_ptr()
+        _ARENAS.append((weakref.ref(self._buffer), base + self._offset, base + self._end))
 
     @staticmethod
     def for_tensors(tensors: list[torch.Tensor]) -> HugePageArena | None:

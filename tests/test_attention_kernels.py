@@ -407,7 +407,20 @@ def test_panels_hold_the_weight_by_64_column_panels() -> None:
     for n in (0, 63, 64, 129):
         assert torch.equal(panels[n // 64, :, n % 64], w[n])
     assert not panels[2, :, 130 - 128 :].any()  # the padding columns
-    assert torch.equal(ops.pack_panels(w.bfloat16()), ops.pack_panels(w.bfloat16().float()))
+
+
+@pytest.mark.skipif(KERNELS is None or not KERNELS.bf16_dot, reason="needs AVX512-BF16 build")
+def test_bf16_panels_pair_consecutive_k_for_the_dot_product() -> None:
+    w = torch.randn((130, 48)).bfloat16()
+    panels = ops.pack_panels(w)
+    assert panels is not None and panels.shape == (3, 24, 64, 2) and panels.dtype == torch.bfloat16
+    for n in (0, 63, 64, 129):
+        for k in (0, 1, 46, 47):
+            assert panels[n // 64, k // 2, n % 64, k % 2] == w[n, k]
+    assert not panels[2, :, 130 - 128 :].any()  # the padding columns
+    # An odd K has no pairs: fp32 panels, widened exactly.
+    odd = torch.randn((70, 47)).bfloat16()
+    assert torch.equal(ops.pack_panels(odd), ops.pack_panels(odd.float()))
 
 
 @needs_kernels

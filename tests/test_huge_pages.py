@@ -11,9 +11,11 @@ from engine.huge_pages import (
     HUGE_PAGE_BYTES,
     HugePageArena,
     huge_page_bytes,
+    on_an_arena,
     thp_mode,
     zeros_on_huge_pages,
 )
+from engine.kernels.route_table import LINEAR_CLASSES, PANELS, RouteTable
 from engine.models.llama import Linear
 from tests.engine_helpers import make_core
 
@@ -73,13 +75,28 @@ def test_no_arena_when_switched_off_or_small(monkeypatch: pytest.MonkeyPatch) ->
     assert HugePageArena.for_tensors([torch.ones(4 << 20)]) is None
 
 
+def test_on_an_arena_holds_while_the_arena_lives() -> None:
+    weights = [torch.ones((1024, 1024), dtype=torch.bfloat16) for _ in range(2)]
+    arena = HugePageArena(sum(w.numel() * w.element_size() for w in weights))
+    placed = [arena.place(w) for w in weights]
+    assert all(on_an_arena(p) for p in placed)
+    assert not any(on_an_arena(w) for w in weights)
+    del arena
+    assert on_an_arena(placed[1][3:])  # a view keeps the mapping, and so the arena, alive
+
+
 @pytest.mark.skipif(not THP, reason=f"transparent huge pages are {thp_mode()} here")
-def test_the_models_weights_move_to_huge_pages_once(tiny_llama: Path) -> None:
+def test_the_models_weights_and_routed_panels_move_to_huge_pages_once(tiny_llama: Path) -> None:
     model = make_core(tiny_llama).runner.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     # The tied embedding is the LM head's weight: moved once, still shared.
     assert model.model.embed_tokens.weight is model.lm_head.weight
-    assert all(huge_page_bytes(m.weight) > 0 for m in linears)
+    assert all(on_an_arena(m.weight) and huge_page_bytes(m.weight) > 0 for m in linears)
+    assert all(on_an_arena(m.panels) for m in linears if m.panels is not None)
     where = [m.weight.data_ptr() for m in linears]
     model.prepare_fast_path()
     assert [m.weight.data_ptr() for m in linears] == where
+    # Forced onto the panels, every layer's panels land on huge pages too.
+    model.set_kernel_routes(RouteTable(dict.fromkeys(LINEAR_CLASSES, PANELS), "measured"))
+    model.prepare_fast_path()
+    assert all(m.panels is not None and on_an_arena(m.panels) for m in linears)

@@ -77,9 +77,11 @@ def onednn_serves(dtype: torch.dtype) -> bool:
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor | None:
-    """The weight [N, K] as fp32 panels of 64 output columns for ``linear``'s decode-sized
-    batches (a further copy in memory, twice the size for bf16), or None where the
-    compiled kernels don't serve it."""
+    """The weight [N, K] as panels of 64 output columns for ``linear``'s decode-sized
+    batches (a further copy in memory), or None where the compiled kernels don't serve
+    it: for a bf16 weight on a build with the bf16 dot product, bf16 pair panels [N / 64,
+    K / 2, 64, 2] (the same size as the weight); otherwise fp32 panels [N / 64, K, 64]
+    (twice the size of a bf16 weight). ``csrc/panel_linear.h`` has both."""
     if weight.device.type != "cpu" or weight.dtype not in _ACT_DTYPES or weight.dim() != 2:
         return None
     kernels = cpu_kernels()

@@ -31,7 +31,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.forward_context import get_forward_context
-from engine.huge_pages import HugePageArena
+from engine.huge_pages import HugePageArena, on_an_arena
 from engine.kernels import ops
 from engine.kernels.route_table import (
     DETERMINISTIC_SOURCE,
@@ -59,14 +59,30 @@ def _sharded_loader(offsets: dict[str, tuple[int, int]]) -> Callable:
     return load
 
 
+def _onto_huge_pages(slots: list[tuple[Any, str]]) -> None:
+    """Move each CPU tensor ``getattr(owner, name)`` of ``slots`` that is not in a
+    huge-page arena yet into one new arena, one at a time, so that each original is
+    freed before the next is copied (the peak is the largest one, not all of them)."""
+    moving = [
+        (owner, name)
+        for owner, name in slots
+        if getattr(owner, name).device.type == "cpu" and not on_an_arena(getattr(owner, name))
+    ]
+    arena = HugePageArena.for_tensors([getattr(owner, name) for owner, name in moving])
+    if arena is None:
+        return
+    for owner, name in moving:
+        setattr(owner, name, arena.place(getattr(owner, name).contiguous()))
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` that takes ``ops.linear``'s fast path on CPU (``use_kernel``).
 
     ``prepack`` keeps a oneDNN-prepacked copy of the weight (a second copy in memory), its
-    fp32 panels for decode-sized batches (``ops.pack_panels``; twice the size for bf16)
-    and, for a bf16 layer that sees large batches (``wide``: prefill chunks), an fp32
-    oneDNN copy too; call it again whenever the weight's values or dtype change. A stale
-    or missing copy is never used for another dtype: ``ops.linear`` then runs ``F.linear``.
+    panels for decode-sized batches (``ops.pack_panels``: bf16 pairs or fp32) and, for a
+    bf16 layer that sees large batches (``wide``: prefill chunks), an fp32 oneDNN copy
+    too; call it again whenever the weight's values or dtype change. A stale or missing
+    copy is never used for another dtype: ``ops.linear`` then runs ``F.linear``.
     ``routes`` (a measured ``RouteTable``, or None for the constants of ``ops.linear``)
     names the kernel for each batch size; ``drop_unrouted`` frees the copies it never uses.
     """
@@ -317,8 +333,6 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         # Whether ``prepare_fast_path`` packs panels (EngineConfig.linear_panels).
         self.linear_panels = True
-        # Where the weights that ``_weights_on_huge_pages`` moved start.
-        self._arena_ptrs: set[int] = set()
         # What each module chose for itself (kernel availability, shapes it serves).
         self._fast_defaults = {
             name: mod.use_kernel for name, mod in self.named_modules() if hasattr(mod, "use_kernel")
@@ -352,21 +366,23 @@ class LlamaForCausalLM(nn.Module):
 
     def _weights_on_huge_pages(self) -> None:
         """Move the linear layers' weights (the LM head's, and so a tied embedding's,
-        included) into one huge-page arena on CPU: batch-1 decode streams them all every
+        included) into a huge-page arena on CPU: batch-1 decode streams them all every
         step, and on small pages the GEMV kernel read them 1.2x slower (``python -m
-        benchmarks.gemv_read``). Weights already there (a second call) stay put."""
+        benchmarks.gemv_read``)."""
         weights: dict[int, nn.Parameter] = {}
         for mod in self.modules():
             if isinstance(mod, Linear) and mod.use_kernel and mod.weight.device.type == "cpu":
                 weights.setdefault(id(mod.weight), mod.weight)
-        moving = [w for w in weights.values() if w.data_ptr() not in self._arena_ptrs]
-        arena = HugePageArena.for_tensors([w.data for w in moving])
-        if arena is None:
+        _onto_huge_pages([(w, "data") for w in weights.values()])
+
+    def _panels_on_huge_pages(self) -> None:
+        """Move the panels the routes run on into a huge-page arena, as the weights.
+        Only once the routes are set: a measurement's copies are dropped after it, and a
+        dropped copy cannot give its part of an arena back."""
+        if self.kernel_routes is None or self.kernel_routes.constants:
             return
-        for weight in moving:
-            # One at a time, so each original is freed before the next is copied.
-            weight.data = arena.place(weight.data.contiguous())
-            self._arena_ptrs.add(weight.data_ptr())
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        _onto_huge_pages([(m, "panels") for m in linears if m.panels is not None])
 
     def set_deterministic(self, split: int) -> None:
         """Deterministic mode with the attention's KV split of ``split`` tokens (0: off).
@@ -422,6 +438,11 @@ class LlamaForCausalLM(nn.Module):
         self._apply_routes()
 
     def _apply_routes(self) -> None:
+        self._route_linear_layers()
+        self._panels_on_huge_pages()
+        self.model.decode_stack = self.model.make_decode_stack()
+
+    def _route_linear_layers(self) -> None:
         table = self.kernel_routes
         codes: tuple[int, ...] = ()
         prefill_route = FLASH
@@ -436,7 +457,6 @@ class LlamaForCausalLM(nn.Module):
                 mod.route_codes = codes
             elif isinstance(mod, PagedAttention):
                 mod.prefill_route = prefill_route
-        self.model.decode_stack = self.model.make_decode_stack()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors into the parameters; returns the HF names consumed.

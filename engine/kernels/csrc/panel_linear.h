@@ -1,26 +1,58 @@
-// Decode-sized linear layers (a few to a few dozen rows) on panel-packed fp32 weights.
+// Decode-sized linear layers (a few to a few dozen rows) on panel-packed weights.
 //
 // oneDNN's prepacked matmul reaches ~100 GFLOP/s on the 26-row batches of a W1 decode
 // step when the weights come from DRAM (each layer's are read once a step): neither the
 // bandwidth nor the FMA units are busy. Here the weight [N, K] is packed as panels of 64
-// output columns, [ceil(N / 64)][K][64] fp32, so one panel is a single contiguous stream,
-// and the kernel runs every row of x against a panel while it sits in L2, with 6 rows x
-// 64 columns of accumulators in registers (24 FMAs per 10 loads), prefetching the next
-// panel into L2 meanwhile. bf16 weights are widened into the panels (exact), so bf16
-// layers get the fp32 FMA rate, which on CPUs without AMX is above the bf16 one.
+// output columns, so one panel is a single contiguous stream, and the kernel runs every
+// row of x against a panel while it sits in L2, with 6 rows x 64 columns of accumulators
+// in registers (24 multiply-adds per 10 loads).
+//
+// - fp32 panels, [ceil(N / 64)][K][64] fp32, for fp32 weights, and for bf16 ones where
+//   the build has no AVX512-BF16 (widened, exact): fp32 FMAs, prefetching the next
+//   panel into L2 meanwhile.
+// - pair panels, [ceil(N / 64)][K / 2][64][2] bf16, for bf16 weights where it has: each
+//   vector holds 16 columns' weights for two consecutive k, the layout of the bf16 dot
+//   product, which takes x's (k, k + 1) pair broadcast and sums both products into fp32.
+//   Half the bytes of the widened panels and twice the multiply-adds per instruction: on
+//   SmolLM2-135M's layers at 4-64 rows 1.1-1.5x oneDNN's bf16 matmul on an AVX512-BF16
+//   host without AMX (``python -m benchmarks.panel_linear --dtype bfloat16``).
 #pragma once
 
+#include "linear.h"
 #include "vec16.h"
 
 namespace baton_kernels {
 
 constexpr int64_t kPanel = 64;  // output columns per panel: 4 vectors
 
-// panels: [ceil(N / 64), K, 64] fp32 from w [N, K] (fp32 or bf16), zero-padded columns.
+// Whether pack_panels packs ``w`` as pair panels (bf16 dot product) rather than fp32.
+inline bool pair_panels_for(const at::Tensor& w) {
+  return kHasBf16Dot && w.scalar_type() == at::kBFloat16 && w.size(1) % 2 == 0;
+}
+
+// panels from w [N, K] (fp32 or bf16), zero-padded columns: pair panels [ceil(N / 64),
+// K / 2, 64, 2] bf16 where pair_panels_for(w), else fp32 panels [ceil(N / 64), K, 64].
 at::Tensor pack_panels(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
               "pack_panels: needs an fp32 or bf16 weight [N, K]");
   const int64_t N = w.size(0), K = w.size(1), P = (N + kPanel - 1) / kPanel;
+  if (pair_panels_for(w)) {
+    const at::Tensor wc = w.contiguous();
+    at::Tensor panels = at::empty({P, K / 2, kPanel, 2}, wc.options());
+    const bf16* src = wc.data_ptr<bf16>();
+    bf16* dst = panels.data_ptr<bf16>();
+    at::parallel_for(0, P, 1, [&](int64_t pb, int64_t pe) {
+      for (int64_t p = pb; p < pe; ++p) {
+        bf16* panel = dst + p * K * kPanel;
+        std::memset(static_cast<void*>(panel), 0, size_t(K * kPanel) * sizeof(bf16));
+        for (int64_t c = 0; c < std::min(kPanel, N - p * kPanel); ++c) {
+          const bf16* row = src + (p * kPanel + c) * K;
+          for (int64_t k = 0; k < K; ++k) panel[((k / 2) * kPanel + c) * 2 + (k & 1)] = row[k];
+        }
+      }
+    });
+    return panels;
+  }
   const at::Tensor wf = w.to(at::kFloat).contiguous();
   at::Tensor panels = at::empty({P, K, kPanel}, wf.options());
   panels.zero_();
@@ -113,23 +145,102 @@ void linear_panels_impl(const float* xp, int64_t xs, int64_t M, int64_t K, const
   });
 }
 
-// y = x w^T (+ bias) with ``panels`` = pack_panels(w) for w [n, K]; x [M, K] fp32 or bf16
-// with unit last stride, y [M, n] in x's dtype (bf16: the fp32 sums rounded once).
+#if defined(__AVX512BF16__)
+// Rows [0, MR) of bf16 x (row stride xs) against one pair panel of K2 = K / 2 k-pairs;
+// writes ``cols`` columns of y (row stride ys), adding bias when given. No software
+// prefetch: the panel is one sequential stream, which the hardware prefetcher follows.
+template <int MR>
+inline void pair_panel_tile(const bf16* x, int64_t xs, const bf16* panel, int64_t K2, const bf16* bias, bf16* y,
+                            int64_t ys, int64_t cols) {
+  __m512 acc[MR][4];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K2; ++k) {
+    const bf16* wk = panel + k * kPanel * 2;
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(wk));
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(wk + 32));
+    const __m512bh w2 = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(wk + 64));
+    const __m512bh w3 = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(wk + 96));
+    for (int m = 0; m < MR; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, x + m * xs + 2 * k, sizeof(pair));
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], xb, w0);
+      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xb, w1);
+      acc[m][2] = _mm512_dpbf16_ps(acc[m][2], xb, w2);
+      acc[m][3] = _mm512_dpbf16_ps(acc[m][3], xb, w3);
+    }
+  }
+  alignas(64) float out[kPanel];
+  for (int m = 0; m < MR; ++m) {
+    for (int j = 0; j < 4; ++j) _mm512_store_ps(out + j * 16, acc[m][j]);
+    for (int64_t c = 0; c < cols; ++c) store_f(y + m * ys + c, bias ? out[c] + to_f(bias[c]) : out[c]);
+  }
+}
+
+void linear_pair_panels_impl(const bf16* xp, int64_t xs, int64_t M, int64_t K, const bf16* wp, int64_t N,
+                             const bf16* bp, bf16* yp) {
+  const int64_t P = (N + kPanel - 1) / kPanel, K2 = K / 2;
+  const int64_t tiles = (M + 5) / 6;  // row tiles of at most 6, as even as possible
+  const int64_t base = M / tiles, extra = M % tiles;
+  const int64_t threads = at::get_num_threads();
+  at::parallel_for(0, P, (P + threads - 1) / threads, [&](int64_t pb, int64_t pe) {
+    for (int64_t p = pb; p < pe; ++p) {
+      const bf16* panel = wp + p * K * kPanel;
+      const int64_t cols = std::min(kPanel, N - p * kPanel);
+      const bf16* bias = bp ? bp + p * kPanel : nullptr;
+      for (int64_t t = 0, m = 0; t < tiles; ++t) {
+        const int64_t rows = base + (t < extra ? 1 : 0);
+        const bf16* xm = xp + m * xs;
+        bf16* ym = yp + m * N + p * kPanel;
+        switch (rows) {
+          case 6: pair_panel_tile<6>(xm, xs, panel, K2, bias, ym, N, cols); break;
+          case 5: pair_panel_tile<5>(xm, xs, panel, K2, bias, ym, N, cols); break;
+          case 4: pair_panel_tile<4>(xm, xs, panel, K2, bias, ym, N, cols); break;
+          case 3: pair_panel_tile<3>(xm, xs, panel, K2, bias, ym, N, cols); break;
+          case 2: pair_panel_tile<2>(xm, xs, panel, K2, bias, ym, N, cols); break;
+          default: pair_panel_tile<1>(xm, xs, panel, K2, bias, ym, N, cols);
+        }
+        m += rows;
+      }
+    }
+  });
+}
+#endif
+
+// y = x w^T (+ bias) with ``panels`` = pack_panels(w) for w [n, K]; x [M, K] with unit
+// last stride, y [M, n] in x's dtype (bf16: the fp32 sums rounded once). fp32 panels take
+// fp32 or bf16 x; pair panels take bf16 x.
 at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, int64_t n,
                          const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "linear_panels: x must be [M, K] with unit last stride");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "linear_panels: x must be fp32 or bf16");
-  TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && panels.scalar_type() == at::kFloat &&
-                  panels.size(2) == kPanel && panels.size(1) == x.size(1) && n > 0 &&
-                  (n + kPanel - 1) / kPanel == panels.size(0),
-              "linear_panels: panels must be pack_panels of an [n, K] weight");
+  const int64_t M = x.size(0), K = x.size(1);
+  const bool pairs = panels.scalar_type() == at::kBFloat16;
+  if (pairs) {
+    TORCH_CHECK(kHasBf16Dot && x.scalar_type() == at::kBFloat16 && panels.dim() == 4 && panels.is_contiguous() &&
+                    panels.size(1) * 2 == K && panels.size(2) == kPanel && panels.size(3) == 2 && n > 0 &&
+                    (n + kPanel - 1) / kPanel == panels.size(0),
+                "linear_panels: bf16 panels must be pack_panels of a bf16 [n, K] weight, with bf16 x");
+  } else {
+    TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && panels.scalar_type() == at::kFloat &&
+                    panels.size(2) == kPanel && panels.size(1) == K && n > 0 &&
+                    (n + kPanel - 1) / kPanel == panels.size(0),
+                "linear_panels: panels must be pack_panels of an [n, K] weight");
+  }
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_bias)
     TORCH_CHECK(bias->is_contiguous() && bias->numel() == n && bias->scalar_type() == x.scalar_type(),
                 "linear_panels: bias must be contiguous [n] in x's dtype");
-  const int64_t M = x.size(0), K = x.size(1);
   at::Tensor y = at::empty({M, n}, x.options());
   if (M == 0) return y;
+#if defined(__AVX512BF16__)
+  if (pairs) {
+    linear_pair_panels_impl(x.data_ptr<bf16>(), x.stride(0), M, K, panels.data_ptr<bf16>(), n,
+                            has_bias ? bias->data_ptr<bf16>() : nullptr, y.data_ptr<bf16>());
+    return y;
+  }
+#endif
   const float* wp = panels.data_ptr<float>();
   if (x.scalar_type() == at::kFloat) {
     linear_panels_impl<float>(x.data_ptr<float>(), x.stride(0), M, K, wp, n,
