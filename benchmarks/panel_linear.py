@@ -7,7 +7,9 @@ layer order) for each row count:
 
 - ``onednn``: ``ops.linear`` with the oneDNN-prepacked weight (``pack_linear_weight``), the
   production path before the panels (and the bf16 GEMV kernel up to ``GEMV_MAX_ROWS``);
-- ``panels``: ``ops.linear`` with the panel-packed weight (``pack_panels``).
+- ``panels``: ``ops.linear`` with the panel-packed weight (``pack_panels``) on the
+  ``panels`` route at every row count (bf16 pair panels where the build has the bf16 dot
+  product, else fp32 panels).
 
 The variants alternate pass by pass, so noise from other work hits both alike. Prints
 the median pass time of each, GFLOP/s and the ratio; writes a markdown report to
@@ -68,7 +70,7 @@ def main() -> None:
 
         def run_panels(m: int = m, inputs: dict = inputs) -> None:
             for w, p in zip(weights, panels, strict=True):
-                ops.linear(inputs[w.shape[1]], w, None, None, None, p)
+                ops.linear(inputs[w.shape[1]], w, None, None, None, p, route="panels")
 
         variants = {"onednn": run_onednn, "panels": run_panels}
         times: dict[str, list[float]] = {name: [] for name in variants}

@@ -14,8 +14,9 @@
 //   vector holds 16 columns' weights for two consecutive k, the layout of the bf16 dot
 //   product, which takes x's (k, k + 1) pair broadcast and sums both products into fp32.
 //   Half the bytes of the widened panels and twice the multiply-adds per instruction: on
-//   SmolLM2-135M's layers at 4-64 rows 1.1-1.5x oneDNN's bf16 matmul on an AVX512-BF16
-//   host without AMX (``python -m benchmarks.panel_linear --dtype bfloat16``).
+//   SmolLM2-135M's layers from DRAM, on an AVX512-BF16 host without AMX, 1.15-1.4x
+//   oneDNN's prepacked bf16 matmul at 8-96 rows and 1.7x the bf16 GEMV at 4 (even at 1;
+//   ``python -m benchmarks.panel_linear --dtype bfloat16``). The route timer decides.
 #pragma once
 
 #include "linear.h"
