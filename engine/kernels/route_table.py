@@ -143,8 +143,9 @@ DETERMINISTIC_SOURCE = "deterministic"
 def deterministic_route(dtype: str, bf16_dot: bool, gemv_fits: bool) -> str:
     """The one route of deterministic mode: the bf16 GEMV kernel for a bf16 model where
     the build has the bf16 dot product and every layer's input width is a multiple of 32
-    (``gemv_fits``; on AVX512-BF16 it measured at or above the panels from 1 to 512
-    rows), else the panel kernel (fp32, and bf16 widened)."""
+    (``gemv_fits``; on AVX512-BF16 it measured at or above the fp32 panels from 1 to 512
+    rows; the bf16 pair panels that came later are faster and batch-invariant too, but
+    moving the mode to them would change its documented bits), else the panel kernel."""
     return GEMV if dtype == "bfloat16" and bf16_dot and gemv_fits else PANELS
 
 
