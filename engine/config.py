@@ -159,9 +159,10 @@ class EngineConfig:
     # the blocks each admitted request needs for its next kv_growth_tokens tokens (capped
     # by its max_tokens), so new arrivals do not push admitted requests into recompute.
     kv_growth_tokens: int = 128
-    # CPU: decode-sized batches (5-64 rows) run their linear layers on fp32 panels of the
-    # weights (engine.kernels.ops.pack_panels), a further copy of them in fp32 (~0.5 GB
-    # for SmolLM2-135M). Workers that only prefill leave it off (rpc.worker_config).
+    # CPU: decode-sized batches (5-64 rows) may run their linear layers on panels of the
+    # weights (engine.kernels.ops.pack_panels), a further copy of them of the weights'
+    # size (~0.27 GB for SmolLM2-135M in bf16), kept only where the routes use it.
+    # Workers that only prefill leave it off (rpc.worker_config).
     linear_panels: bool = True
     # CPU: the kernel of each class of linear layer (batch-1, decode batches, prefill
     # chunks, LM head). auto: measured on the model's weights at start-up, cached per

@@ -418,9 +418,25 @@ def test_bf16_panels_pair_consecutive_k_for_the_dot_product() -> None:
         for k in (0, 1, 46, 47):
             assert panels[n // 64, k // 2, n % 64, k % 2] == w[n, k]
     assert not panels[2, :, 130 - 128 :].any()  # the padding columns
-    # An odd K has no pairs: fp32 panels, widened exactly.
+    # An odd K has no pairs: plain panels, kept in bf16.
     odd = torch.randn((70, 47)).bfloat16()
-    assert torch.equal(ops.pack_panels(odd), ops.pack_panels(odd.float()))
+    assert torch.equal(ops.pack_panels(odd).float(), ops.pack_panels(odd.float()))
+
+
+@pytest.mark.skipif(KERNELS is None or KERNELS.bf16_dot, reason="needs a build without AVX512-BF16")
+def test_bf16_panels_without_the_dot_product_stay_bf16_and_match_the_fp32_ones() -> None:
+    """No bf16 dot product (an AVX2 CPU): a bf16 weight's panels hold it as it is, half
+    the bytes of widened fp32 panels, and the kernel widens them as it loads them, so
+    the result is the fp32 panels' bits."""
+    w = torch.randn((130, 96)).bfloat16()
+    panels = ops.pack_panels(w)
+    assert panels is not None and panels.shape == (3, 96, 64) and panels.dtype == torch.bfloat16
+    wide = ops.pack_panels(w.float())
+    assert torch.equal(panels.float(), wide)
+    for rows in (1, 2, 3, 6, 26):
+        x = torch.randn(rows, 96).bfloat16()
+        got = KERNELS.ops.linear_panels(x, panels, 130, None)
+        assert torch.equal(got, KERNELS.ops.linear_panels(x, wide, 130, None)), rows
 
 
 @needs_kernels
@@ -492,8 +508,6 @@ def _tiny_layer(dtype: torch.dtype) -> tuple[DecoderLayer, ModelConfig]:
 )
 def test_fused_decode_layer_equals_its_kernels(dtype: torch.dtype, rows: int, packs: bool) -> None:
     assert KERNELS is not None
-    if dtype == torch.bfloat16 and not KERNELS.bf16_dot:
-        pytest.skip("needs AVX512-BF16 build")
     layer, cfg = _tiny_layer(dtype)
     block = 16
     gen = torch.Generator().manual_seed(rows)
@@ -583,8 +597,6 @@ def test_decoder_layer_fused_and_module_paths_are_bit_identical(
     """A decode-only step through ``DecoderLayer`` (one fused call, prepacked weights above
     the GEMV rows) equals the same layer run module by module on the same fast ops."""
     assert KERNELS is not None
-    if dtype == torch.bfloat16 and not KERNELS.bf16_dot:
-        pytest.skip("needs AVX512-BF16 build")
     layer, cfg = _tiny_layer(dtype)
     for mod in layer.modules():
         if hasattr(mod, "prepack"):

@@ -223,7 +223,7 @@ def test_every_route_agrees_with_the_fp32_reference(dtype: torch.dtype, rows: in
         tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
         torch.testing.assert_close(got.double(), ref, rtol=tol, atol=tol, msg=route)
     assert "torch" in ran
-    if torch.backends.mkldnn.is_available():
+    if ops.onednn_serves(dtype):  # bf16 needs a CPU with AVX512-BF16 or AMX
         assert "onednn" in ran
     if cpu_kernels() is not None:
         assert "panels" in ran
@@ -288,7 +288,9 @@ def test_default_mode_keeps_todays_constants_and_copies(tiny_llama: Path) -> Non
     layers, head = model.linear_layers()
     for mod in [m for layer in layers for m in layer]:
         assert mod.routes is table
-        assert mod.packed is not None and mod.packed_wide is not None
+        # bf16 oneDNN needs a CPU with AVX512-BF16 or AMX; the widened copy is fp32.
+        assert (mod.packed is not None) == ops.onednn_serves(torch.bfloat16)
+        assert mod.packed_wide is not None
         if cpu_kernels() is not None:
             assert mod.panels is not None
     assert all(layer.route_codes == () for layer in model.model.layers)
@@ -320,11 +322,17 @@ def test_a_forced_route_never_packs_the_copies_it_does_not_use(
     for mod in [m for layer in layers for m in layer] + [head]:
         assert mod.packed is None and mod.packed_wide is None and mod.panels is None
     onednn = make_core(tiny_llama, dtype="bfloat16", cpu_kernels="onednn")
-    assert set(packed) <= {"onednn"}
+    # Forced oneDNN: every class it serves; a class it does not (bf16 on a CPU without
+    # AVX512-BF16 or AMX) keeps its default, and only those routes' copies are made.
+    used = set(onednn.runner.kernel_routes.routes.values())
+    assert set(packed) <= used
     layers, head = onednn.runner.model.linear_layers()
-    if torch.backends.mkldnn.is_available():
+    if ops.onednn_serves(torch.bfloat16):
+        assert used <= {"onednn", "flash"}
         assert all(m.packed is not None for layer in layers for m in layer)
-    assert all(m.panels is None and m.packed_wide is None for layer in layers for m in layer)
+    mods = [m for layer in layers for m in layer]
+    assert all((m.panels is not None) == ("panels" in used) for m in mods)
+    assert all((m.packed_wide is not None) == ("wide" in used) for m in mods)
 
 
 @pytest.mark.parametrize("mode", ["torch", "onednn", "measure"])
@@ -437,3 +445,42 @@ def test_an_engine_runs_prompt_attention_on_its_tables_route(
     expected = route if cpu_kernels() is not None else "torch"
     assert routes == {expected}
     assert (PREFILL_ATTENTION, expected) in core.stats().cpu_kernel_routes
+
+
+def test_a_bf16_model_without_bf16_gemms_computes_on_widened_weights() -> None:
+    """An AVX2 CPU (no AVX512-BF16, no AMX): oneDNN has no bf16 GEMM and the build no
+    bf16 dot product, so bf16 layers are offered the fp32 panels (widened bf16 weights)
+    and the widened fp32 oneDNN GEMM, never the bf16 GEMV; the default follows."""
+    from engine.kernels.route_table import candidates
+
+    avx2 = {"kernels": True, "panels": True, "onednn": False, "bf16_dot": False, "wide": True}
+    assert candidates(GEMV_ROWS, "bfloat16", **avx2) == ("panels", "torch")
+    assert candidates(DECODE_ROWS, "bfloat16", **avx2) == ("panels", "torch")
+    assert candidates(PREFILL_ROWS, "bfloat16", **avx2) == ("wide", "torch")
+    assert candidates(PREFILL_ATTENTION, "bfloat16", **avx2) == (FLASH, "torch")
+    defaults = default_routes("bfloat16", **avx2)
+    assert defaults[GEMV_ROWS] == defaults[DECODE_ROWS] == "panels"
+    assert defaults[PREFILL_ROWS] == "wide" and defaults[PREFILL_ATTENTION] == FLASH
+    # Without the kernels: oneDNN's fp32 GEMM on the widened copy is still there for prefill.
+    bare = {**avx2, "kernels": False}
+    assert candidates(GEMV_ROWS, "bfloat16", **bare) == ("torch",)
+    assert default_routes("bfloat16", **bare)[PREFILL_ROWS] == "wide"
+    # fp32 is unchanged: wide is a bf16 route.
+    assert "wide" not in candidates(PREFILL_ROWS, "float32", **avx2)
+
+
+def test_this_hosts_bf16_candidates_follow_its_build(tmp_path: Path) -> None:
+    """On the host at hand: with the compiled kernels a bf16 model is always offered the
+    panels and the flash attention, whatever the ISA; the GEMV only with the bf16 dot."""
+    from engine.kernels.route_bench import _setting
+
+    layers, head = _layers(torch.bfloat16)
+    setting = _setting(_request(tmp_path), layers, head)
+    kernels = cpu_kernels()
+    if kernels is None:
+        assert all("panels" not in c for c in setting.candidates.values())
+        return
+    assert "panels" in setting.candidates[DECODE_ROWS]
+    assert FLASH in setting.candidates[PREFILL_ATTENTION]
+    assert ("gemv" in setting.candidates[GEMV_ROWS]) == kernels.bf16_dot
+    assert ("wide" in setting.candidates[PREFILL_ROWS]) == ops.onednn_serves(torch.float32)

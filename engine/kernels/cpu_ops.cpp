@@ -8,7 +8,8 @@
 // attention and prefill_attention do).
 //
 // Vector code is written once against a 16-lane fp32 type, V16, which is one AVX-512
-// register where the compiler targets AVX-512 and a plain array elsewhere.
+// register where the compiler targets AVX-512, two AVX2 registers where it targets AVX2
+// and FMA, and a plain array elsewhere.
 
 // The kernels live in csrc/*.h, one translation unit so the build stays one compile.
 

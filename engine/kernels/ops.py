@@ -80,8 +80,9 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor | None:
     """The weight [N, K] as panels of 64 output columns for ``linear``'s decode-sized
     batches (a further copy in memory), or None where the compiled kernels don't serve
     it: for a bf16 weight on a build with the bf16 dot product, bf16 pair panels [N / 64,
-    K / 2, 64, 2] (the same size as the weight); otherwise fp32 panels [N / 64, K, 64]
-    (twice the size of a bf16 weight). ``csrc/panel_linear.h`` has both."""
+    K / 2, 64, 2]; otherwise plain panels [N / 64, K, 64] in the weight's dtype (a bf16
+    one is widened to fp32 as the kernel loads it). Either is the weight's size.
+    ``csrc/panel_linear.h`` has both."""
     if weight.device.type != "cpu" or weight.dtype not in _ACT_DTYPES or weight.dim() != 2:
         return None
     kernels = cpu_kernels()
@@ -289,7 +290,7 @@ def _decode_kernels(
     if hidden.dtype not in _ACT_DTYPES or hidden.shape[0] == 0:
         return None
     kernels = cpu_kernels()
-    if kernels is None or (hidden.dtype == torch.bfloat16 and not kernels.bf16_dot):
+    if kernels is None:
         return None
     if (
         kv_cache.dtype != hidden.dtype

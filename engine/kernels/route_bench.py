@@ -245,12 +245,12 @@ def _setting(
     kernels = cpu_kernels()
     bf16 = request.dtype == "bfloat16"
     has_kernels = kernels is not None and request.dtype in ("float32", "bfloat16")
-    has_kernels = has_kernels and (kernels.bf16_dot or not bf16)
+    bf16_dot = kernels is not None and kernels.bf16_dot
     onednn = ops.onednn_serves(layers[0][0].weight.dtype) if layers else False
-    defaults = default_routes(request.dtype, has_kernels, request.panels, onednn)
-    cands = {
-        c: candidates(c, request.dtype, has_kernels, request.panels, onednn) for c in ROW_CLASSES
-    }
+    wide = bf16 and bool(layers) and ops.onednn_serves(torch.float32)
+    flags = (request.dtype, has_kernels, request.panels, onednn, bf16_dot, wide)
+    defaults = default_routes(*flags)
+    cands = {c: candidates(c, *flags) for c in ROW_CLASSES}
     plan = {
         c: sample_rows(c, request.max_num_seqs, request.max_num_batched_tokens) for c in ROW_CLASSES
     }

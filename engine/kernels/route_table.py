@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 
 # Routes, by name (labels in logs, Stats and metrics):
 GEMV = "gemv"  # the AVX512-BF16 GEMV kernel (bf16 only)
-PANELS = "panels"  # the fp32 panel kernel on panel-packed weights
+# the panel kernel on panel-packed weights (bf16 pairs on the bf16 dot product, else fp32)
+PANELS = "panels"
 # oneDNN's matmul on the prepacked weight in the layer's dtype (AMX for bf16 where the CPU
 # has it and oneDNN's ISA cap allows it)
 ONEDNN = "onednn"
@@ -93,35 +94,55 @@ def sample_rows(row_class: str, max_num_seqs: int, max_num_batched_tokens: int) 
 
 
 def candidates(
-    row_class: str, dtype: str, kernels: bool, panels: bool, onednn: bool
+    row_class: str,
+    dtype: str,
+    kernels: bool,
+    panels: bool,
+    onednn: bool,
+    bf16_dot: bool = True,
+    wide: bool | None = None,
 ) -> tuple[str, ...]:
-    """The routes that can run a class here: ``kernels`` (the compiled kernels load, with
-    the bf16 dot product for a bf16 model), ``panels`` (panel copies are allowed),
-    ``onednn`` (torch's oneDNN linear takes a prepacked weight of this dtype)."""
+    """The routes that can run a class here: ``kernels`` (the compiled kernels load),
+    ``panels`` (panel copies are allowed), ``onednn`` (torch's oneDNN linear takes a
+    prepacked weight of this dtype), ``bf16_dot`` (the build has the AVX512-BF16 dot
+    product: the bf16 GEMV needs it; without it the panels widen bf16 weights to fp32),
+    ``wide`` (oneDNN takes a prepacked fp32 weight, for bf16 prefill widened to fp32;
+    default: ``onednn``). A CPU with AVX2 but neither AVX512-BF16 nor AMX has no bf16
+    oneDNN GEMM worth the name (torch's ran 8x slower than its fp32 one on SmolLM2's
+    layers), so there a bf16 model computes on widened weights."""
+    wide = onednn if wide is None else wide
     if row_class == PREFILL_ATTENTION:
         return (FLASH, TORCH) if kernels else (TORCH,)
     out: list[str] = []
     small = row_class in (GEMV_ROWS, LM_HEAD_GEMV_ROWS)
-    if small and kernels and dtype == "bfloat16":
+    if small and kernels and bf16_dot and dtype == "bfloat16":
         out.append(GEMV)
     if row_class != PREFILL_ROWS and kernels and panels:
         out.append(PANELS)
     if onednn:
         out.append(ONEDNN)
-    if row_class == PREFILL_ROWS and onednn and dtype == "bfloat16":
+    if row_class == PREFILL_ROWS and wide and dtype == "bfloat16":
         out.append(WIDE)
     out.append(TORCH)
     return tuple(out)
 
 
-def default_routes(dtype: str, kernels: bool, panels: bool, onednn: bool) -> dict[str, str]:
+def default_routes(
+    dtype: str,
+    kernels: bool,
+    panels: bool,
+    onednn: bool,
+    bf16_dot: bool = True,
+    wide: bool | None = None,
+) -> dict[str, str]:
     """What ``engine.kernels.ops``'s constants pick for each class (at the class's upper
-    rows), given what is available."""
+    rows), given what is available (``candidates``' flags)."""
+    wide = onednn if wide is None else wide
     bf16 = dtype == "bfloat16"
     big = ONEDNN if onednn else TORCH
-    small = GEMV if bf16 and kernels else (PANELS if kernels and panels else big)
     mid = PANELS if kernels and panels else big
-    prefill = WIDE if bf16 and onednn else big
+    small = GEMV if bf16 and kernels and bf16_dot else mid
+    prefill = WIDE if bf16 and wide else big
     return {
         GEMV_ROWS: small,
         DECODE_ROWS: mid,

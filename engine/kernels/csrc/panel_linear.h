@@ -7,9 +7,10 @@
 // row of x against a panel while it sits in L2, with 6 rows x 64 columns of accumulators
 // in registers (24 multiply-adds per 10 loads).
 //
-// - fp32 panels, [ceil(N / 64)][K][64] fp32, for fp32 weights, and for bf16 ones where
-//   the build has no AVX512-BF16 (widened, exact): fp32 FMAs, prefetching the next
-//   panel into L2 meanwhile.
+// - plain panels, [ceil(N / 64)][K][64] in the weight's dtype, for fp32 weights, and for
+//   bf16 ones where the build has no AVX512-BF16 (kept bf16 and widened as loaded, which
+//   is exact: half the bytes of fp32 panels from memory): fp32 FMAs, prefetching the
+//   next panel into L2 meanwhile.
 // - pair panels, [ceil(N / 64)][K / 2][64][2] bf16, for bf16 weights where it has: each
 //   vector holds 16 columns' weights for two consecutive k, the layout of the bf16 dot
 //   product, which takes x's (k, k + 1) pair broadcast and sums both products into fp32.
@@ -31,8 +32,23 @@ inline bool pair_panels_for(const at::Tensor& w) {
   return kHasBf16Dot && w.scalar_type() == at::kBFloat16 && w.size(1) % 2 == 0;
 }
 
+// Plain panels [ceil(N / 64)][K][64] in w's own dtype from w [N, K] (dst zeroed).
+template <typename W>
+void pack_plain_panels(const W* src, int64_t N, int64_t K, W* dst) {
+  const int64_t P = (N + kPanel - 1) / kPanel;
+  at::parallel_for(0, P, 1, [&](int64_t pb, int64_t pe) {
+    for (int64_t p = pb; p < pe; ++p)
+      for (int64_t c = 0; c < std::min(kPanel, N - p * kPanel); ++c) {
+        const W* row = src + (p * kPanel + c) * K;
+        W* col = dst + p * K * kPanel + c;
+        for (int64_t k = 0; k < K; ++k) col[k * kPanel] = row[k];
+      }
+  });
+}
+
 // panels from w [N, K] (fp32 or bf16), zero-padded columns: pair panels [ceil(N / 64),
-// K / 2, 64, 2] bf16 where pair_panels_for(w), else fp32 panels [ceil(N / 64), K, 64].
+// K / 2, 64, 2] bf16 where pair_panels_for(w), else plain panels [ceil(N / 64), K, 64]
+// in w's dtype (a bf16 weight stays bf16 and is widened as it is loaded: half the bytes).
 at::Tensor pack_panels(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
               "pack_panels: needs an fp32 or bf16 weight [N, K]");
@@ -54,41 +70,31 @@ at::Tensor pack_panels(const at::Tensor& w) {
     });
     return panels;
   }
-  const at::Tensor wf = w.to(at::kFloat).contiguous();
-  at::Tensor panels = at::empty({P, K, kPanel}, wf.options());
+  const at::Tensor wc = w.contiguous();
+  at::Tensor panels = at::empty({P, K, kPanel}, wc.options());
   panels.zero_();
-  const float* src = wf.data_ptr<float>();
-  float* dst = panels.data_ptr<float>();
-  at::parallel_for(0, P, 1, [&](int64_t pb, int64_t pe) {
-    for (int64_t p = pb; p < pe; ++p)
-      for (int64_t c = 0; c < std::min(kPanel, N - p * kPanel); ++c) {
-        const float* row = src + (p * kPanel + c) * K;
-        float* col = dst + p * K * kPanel + c;
-        for (int64_t k = 0; k < K; ++k) col[k * kPanel] = row[k];
-      }
-  });
+  if (w.scalar_type() == at::kFloat)
+    pack_plain_panels(wc.data_ptr<float>(), N, K, panels.data_ptr<float>());
+  else
+    pack_plain_panels(wc.data_ptr<bf16>(), N, K, panels.data_ptr<bf16>());
   return panels;
 }
 
-inline void prefetch_l2(const char* p) {
-#if defined(__AVX512F__)
-  _mm_prefetch(p, _MM_HINT_T1);
-#else
-  (void)p;
-#endif
-}
+inline void prefetch_l2(const char* p) { __builtin_prefetch(p, 0, 2); }
 
 // Rows [0, MR) of x (fp32, row stride xs) against one panel; writes ``cols`` columns of
 // y (row stride ys), adding bias when given. Issues ``per_k`` prefetches of the next
-// panel per k from ``pf`` up to ``pf_end``.
-template <int MR, typename T>
-inline void panel_tile(const float* x, int64_t xs, const float* panel, int64_t K, const T* bias, T* y, int64_t ys,
+// panel per k from ``pf`` up to ``pf_end``. Each output column sums over k in order, one
+// multiply-add per k, on every ISA.
+#if defined(__AVX512F__)
+template <int MR, typename T, typename W>
+inline void panel_tile(const float* x, int64_t xs, const W* panel, int64_t K, const T* bias, T* y, int64_t ys,
                        int64_t cols, const char*& pf, const char* pf_end, int per_k) {
   V16 acc[MR][4];
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < 4; ++j) acc[m][j] = vzero();
   for (int64_t k = 0; k < K; ++k) {
-    const float* wk = panel + k * kPanel;
+    const W* wk = panel + k * kPanel;
     const V16 w0 = vload(wk), w1 = vload(wk + 16), w2 = vload(wk + 32), w3 = vload(wk + 48);
     for (int m = 0; m < MR; ++m) {
       const V16 xb = vset(x[m * xs + k]);
@@ -105,22 +111,58 @@ inline void panel_tile(const float* x, int64_t xs, const float* panel, int64_t K
     for (int64_t c = 0; c < cols; ++c) store_f(y + m * ys + c, bias ? out[c] + to_f(bias[c]) : out[c]);
   }
 }
+#else
+// With 16 vector registers (AVX2) the 6 x 64 tile above spills: a pass takes NV of the
+// panel's 4 column vectors (V16 = 2 registers), so that MR x NV accumulators, a weight
+// vector and the broadcast fit (1 row: all 64 columns, 2 rows: 32, more: 16 per pass).
+// The passes after the first read the panel from L2.
+template <int MR, int NV, typename W>
+inline void panel_pass(const float* x, int64_t xs, const W* panel, int64_t K, int v0, float* out,
+                       const char*& pf, const char* pf_end, int per_k) {
+  V16 acc[MR][NV];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NV; ++j) acc[m][j] = vzero();
+  for (int64_t k = 0; k < K; ++k) {
+    const W* wk = panel + k * kPanel + v0 * 16;
+    for (int m = 0; m < MR; ++m) {
+      const V16 xb = vset(x[m * xs + k]);
+      for (int j = 0; j < NV; ++j) acc[m][j] = vfma(xb, vload(wk + j * 16), acc[m][j]);
+    }
+    for (int i = 0; i < per_k && pf < pf_end; ++i, pf += 64) prefetch_l2(pf);
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NV; ++j) vstore(out + m * kPanel + (v0 + j) * 16, acc[m][j]);
+}
 
-template <typename T>
-void panel_rows(const float* x, int64_t xs, int64_t rows, const float* panel, int64_t K, const T* bias, T* y,
+template <int MR, typename T, typename W>
+inline void panel_tile(const float* x, int64_t xs, const W* panel, int64_t K, const T* bias, T* y, int64_t ys,
+                       int64_t cols, const char*& pf, const char* pf_end, int per_k) {
+  constexpr int NV = MR == 1 ? 4 : (MR == 2 ? 2 : 1);
+  alignas(64) float out[MR * kPanel];
+  for (int v0 = 0; v0 < 4; v0 += NV) panel_pass<MR, NV, W>(x, xs, panel, K, v0, out, pf, pf_end, per_k);
+  for (int m = 0; m < MR; ++m)
+    for (int64_t c = 0; c < cols; ++c) {
+      const float v = out[m * kPanel + c];
+      store_f(y + m * ys + c, bias ? v + to_f(bias[c]) : v);
+    }
+}
+#endif
+
+template <typename T, typename W>
+void panel_rows(const float* x, int64_t xs, int64_t rows, const W* panel, int64_t K, const T* bias, T* y,
                 int64_t ys, int64_t cols, const char*& pf, const char* pf_end, int per_k) {
   switch (rows) {
-    case 6: return panel_tile<6>(x, xs, panel, K, bias, y, ys, cols, pf, pf_end, per_k);
-    case 5: return panel_tile<5>(x, xs, panel, K, bias, y, ys, cols, pf, pf_end, per_k);
-    case 4: return panel_tile<4>(x, xs, panel, K, bias, y, ys, cols, pf, pf_end, per_k);
-    case 3: return panel_tile<3>(x, xs, panel, K, bias, y, ys, cols, pf, pf_end, per_k);
-    case 2: return panel_tile<2>(x, xs, panel, K, bias, y, ys, cols, pf, pf_end, per_k);
-    default: return panel_tile<1>(x, xs, panel, K, bias, y, ys, cols, pf, pf_end, per_k);
+    case 6: return panel_tile<6, T, W>(x, xs, panel, K, bias, y, ys, cols, pf, pf_end, per_k);
+    case 5: return panel_tile<5, T, W>(x, xs, panel, K, bias, y, ys, cols, pf, pf_end, per_k);
+    case 4: return panel_tile<4, T, W>(x, xs, panel, K, bias, y, ys, cols, pf, pf_end, per_k);
+    case 3: return panel_tile<3, T, W>(x, xs, panel, K, bias, y, ys, cols, pf, pf_end, per_k);
+    case 2: return panel_tile<2, T, W>(x, xs, panel, K, bias, y, ys, cols, pf, pf_end, per_k);
+    default: return panel_tile<1, T, W>(x, xs, panel, K, bias, y, ys, cols, pf, pf_end, per_k);
   }
 }
 
-template <typename T>
-void linear_panels_impl(const float* xp, int64_t xs, int64_t M, int64_t K, const float* wp, int64_t N,
+template <typename T, typename W>
+void linear_panels_impl(const float* xp, int64_t xs, int64_t M, int64_t K, const W* wp, int64_t N,
                         const T* bp, T* yp) {
   const int64_t P = (N + kPanel - 1) / kPanel;
   // Row tiles of at most 6, as even as possible (26 rows: 6 + 5 + 5 + 5 + 5).
@@ -132,14 +174,14 @@ void linear_panels_impl(const float* xp, int64_t xs, int64_t M, int64_t K, const
   // Contiguous runs of panels per thread: each streams one region of memory.
   at::parallel_for(0, P, (P + threads - 1) / threads, [&](int64_t pb, int64_t pe) {
     for (int64_t p = pb; p < pe; ++p) {
-      const float* panel = wp + p * K * kPanel;
+      const W* panel = wp + p * K * kPanel;
       const char* pf = reinterpret_cast<const char*>(panel + K * kPanel);
       const char* pf_end = p + 1 < pe ? reinterpret_cast<const char*>(panel + 2 * K * kPanel) : pf;
       const int64_t cols = std::min(kPanel, N - p * kPanel);
       const T* bias = bp ? bp + p * kPanel : nullptr;
       for (int64_t t = 0, m = 0; t < tiles; ++t) {
         const int64_t rows = base + (t < extra ? 1 : 0);
-        panel_rows<T>(xp + m * xs, xs, rows, panel, K, bias, yp + m * N + p * kPanel, N, cols, pf, pf_end, per_k);
+        panel_rows<T, W>(xp + m * xs, xs, rows, panel, K, bias, yp + m * N + p * kPanel, N, cols, pf, pf_end, per_k);
         m += rows;
       }
     }
@@ -209,22 +251,38 @@ void linear_pair_panels_impl(const bf16* xp, int64_t xs, int64_t M, int64_t K, c
 }
 #endif
 
+// linear_panels on plain panels of weight type W, for x of either dtype.
+template <typename W>
+void plain_panels_for(const at::Tensor& x, const W* wp, int64_t M, int64_t K, int64_t n,
+                      const std::optional<at::Tensor>& bias, at::Tensor& y) {
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (x.scalar_type() == at::kFloat) {
+    linear_panels_impl<float, W>(x.data_ptr<float>(), x.stride(0), M, K, wp, n,
+                                 has_bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>());
+  } else {
+    const at::Tensor xf = x.to(at::kFloat);  // widening is exact
+    linear_panels_impl<bf16, W>(xf.data_ptr<float>(), xf.stride(0), M, K, wp, n,
+                                has_bias ? bias->data_ptr<bf16>() : nullptr, y.data_ptr<bf16>());
+  }
+}
+
 // y = x w^T (+ bias) with ``panels`` = pack_panels(w) for w [n, K]; x [M, K] with unit
-// last stride, y [M, n] in x's dtype (bf16: the fp32 sums rounded once). fp32 panels take
-// fp32 or bf16 x; pair panels take bf16 x.
+// last stride, y [M, n] in x's dtype (bf16: the fp32 sums rounded once). Plain panels
+// (fp32 or bf16) take fp32 or bf16 x; pair panels take bf16 x.
 at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, int64_t n,
                          const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "linear_panels: x must be [M, K] with unit last stride");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "linear_panels: x must be fp32 or bf16");
   const int64_t M = x.size(0), K = x.size(1);
-  const bool pairs = panels.scalar_type() == at::kBFloat16;
+  const bool pairs = panels.scalar_type() == at::kBFloat16 && panels.dim() == 4;
   if (pairs) {
     TORCH_CHECK(kHasBf16Dot && x.scalar_type() == at::kBFloat16 && panels.dim() == 4 && panels.is_contiguous() &&
                     panels.size(1) * 2 == K && panels.size(2) == kPanel && panels.size(3) == 2 && n > 0 &&
                     (n + kPanel - 1) / kPanel == panels.size(0),
                 "linear_panels: bf16 panels must be pack_panels of a bf16 [n, K] weight, with bf16 x");
   } else {
-    TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && panels.scalar_type() == at::kFloat &&
+    TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() &&
+                    (panels.scalar_type() == at::kFloat || panels.scalar_type() == at::kBFloat16) &&
                     panels.size(2) == kPanel && panels.size(1) == K && n > 0 &&
                     (n + kPanel - 1) / kPanel == panels.size(0),
                 "linear_panels: panels must be pack_panels of an [n, K] weight");
@@ -242,15 +300,10 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, int64_t 
     return y;
   }
 #endif
-  const float* wp = panels.data_ptr<float>();
-  if (x.scalar_type() == at::kFloat) {
-    linear_panels_impl<float>(x.data_ptr<float>(), x.stride(0), M, K, wp, n,
-                              has_bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>());
-  } else {
-    const at::Tensor xf = x.to(at::kFloat);  // widening is exact
-    linear_panels_impl<bf16>(xf.data_ptr<float>(), xf.stride(0), M, K, wp, n,
-                             has_bias ? bias->data_ptr<bf16>() : nullptr, y.data_ptr<bf16>());
-  }
+  if (panels.scalar_type() == at::kFloat)
+    plain_panels_for<float>(x, panels.data_ptr<float>(), M, K, n, bias, y);
+  else
+    plain_panels_for<bf16>(x, panels.data_ptr<bf16>(), M, K, n, bias, y);
   return y;
 }
 

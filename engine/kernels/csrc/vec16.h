@@ -1,6 +1,7 @@
 // Scalar bf16 conversions and V16, the 16-lane fp32 vector all kernels are written
-// against: one AVX-512 register where the compiler targets AVX-512, a plain array
-// elsewhere.
+// against: one AVX-512 register where the compiler targets AVX-512, two AVX2 registers
+// where it targets AVX2 and FMA (AMD Zen 2/3, Intel before Skylake-SP: the scalar array
+// ran every kernel there several times slower than torch), a plain array elsewhere.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -18,7 +19,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -124,6 +125,100 @@ inline V16 vreduce16(const V16* a) {
   // The tree leaves the sum of a[4e + j] at lane 4j + e; put it back at lane 4e + j.
   const __m512i idx = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
   return {_mm512_permutexvar_ps(idx, r)};
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+struct V16 {
+  __m256 lo, hi;
+};
+inline V16 vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline V16 vset(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline V16 vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline __m256 widen_bf16x8(__m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
+inline V16 vload(const bf16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return {widen_bf16x8(_mm256_castsi256_si128(h)), widen_bf16x8(_mm256_extracti128_si256(h, 1))};
+}
+inline void vstore(float* p, V16 a) {
+  _mm256_storeu_ps(p, a.lo);
+  _mm256_storeu_ps(p + 8, a.hi);
+}
+inline V16 vfma(V16 a, V16 b, V16 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline V16 vmul(V16 a, V16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline V16 vadd(V16 a, V16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline V16 vmax(V16 a, V16 b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+inline V16 vdiv(V16 a, V16 b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
+// The 8 lanes of v summed: pairs of 128-bit halves, then within 128 bits.
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline float vsum(V16 a) { return hsum8(_mm256_add_ps(a.lo, a.hi)); }
+inline float vhmax(V16 a) {
+  const __m256 m8 = _mm256_max_ps(a.lo, a.hi);
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+// a rounded to bf16 (nearest even, like torch), as the high 16 bits of each lane.
+inline __m256i bf16_round_bits8(__m256 a) {
+  __m256i u = _mm256_castps_si256(a);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  u = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+  const __m256 nan = _mm256_cmp_ps(a, a, _CMP_UNORD_Q);
+  u = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(u), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), nan));
+  return _mm256_and_si256(u, _mm256_set1_epi32(int(0xFFFF0000u)));
+}
+inline V16 vround_bf16(V16 a) {
+  return {_mm256_castsi256_ps(bf16_round_bits8(a.lo)), _mm256_castsi256_ps(bf16_round_bits8(a.hi))};
+}
+inline void vstore_bf16(bf16* p, V16 a) {
+  // packus interleaves the 128-bit lanes of its inputs (lo 0-3, hi 0-3, lo 4-7, hi 4-7);
+  // the permute puts them back in order.
+  const __m256i packed = _mm256_packus_epi32(_mm256_srli_epi32(bf16_round_bits8(a.lo), 16),
+                                             _mm256_srli_epi32(bf16_round_bits8(a.hi), 16));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_permute4x64_epi64(packed, 0xD8));
+}
+// exp(x), the same Cephes polynomial as the AVX-512 path; 2^n is applied as two exact
+// powers of two (n split in halves), as scalef does, so results near the range's ends
+// stay finite or denormal where they should.
+inline __m256 exp8(__m256 x) {
+  const __m256 t = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3365f)), _mm256_set1_ps(88.7228f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(t, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), t);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i ni = _mm256_cvtps_epi32(n);
+  const __m256i n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
+  const __m256i bias = _mm256_set1_epi32(127);
+  const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
+  const __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
+  return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+}
+inline V16 vexp(V16 x) { return {exp8(x.lo), exp8(x.hi)}; }
+// r[i] = sum of the lanes of a[i], for 16 vectors: hadd trees, 8 vectors at a time.
+inline __m256 reduce8(const __m256* a) {
+  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+  // Each 128-bit half now holds partial sums of vectors 0-3 / 4-7 in both halves.
+  const __m256 lo = _mm256_permute2f128_ps(s0123, s4567, 0x20);
+  const __m256 hi = _mm256_permute2f128_ps(s0123, s4567, 0x31);
+  return _mm256_add_ps(lo, hi);
+}
+inline V16 vreduce16(const V16* a) {
+  __m256 t[16];
+  for (int i = 0; i < 16; ++i) t[i] = _mm256_add_ps(a[i].lo, a[i].hi);
+  return {reduce8(t), reduce8(t + 8)};
 }
 #else
 struct V16 {
