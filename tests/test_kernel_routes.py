@@ -484,3 +484,37 @@ def test_this_hosts_bf16_candidates_follow_its_build(tmp_path: Path) -> None:
     assert FLASH in setting.candidates[PREFILL_ATTENTION]
     assert ("gemv" in setting.candidates[GEMV_ROWS]) == kernels.bf16_dot
     assert ("wide" in setting.candidates[PREFILL_ROWS]) == ops.onednn_serves(torch.float32)
+
+
+def test_a_candidate_far_slower_than_one_timed_before_it_is_not_timed_further(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One warm-up run of a route GIVE_UP times slower than the fastest steady time at the
+    same rows settles it: torch's bf16 linear on a CPU without a bf16 GEMM (8x the
+    panels') no longer eats the budget that the classes after it need."""
+    import time as _time
+
+    from engine.kernels import route_bench
+
+    runs: dict[str, int] = {}
+    cost = {"panels": 0.002, "onednn": 0.0025, "torch": 0.02}
+
+    def fake_run_route(route, x, *copies):  # noqa: ANN001, ANN202 - ops.run_route's shape
+        runs[route] = runs.get(route, 0) + 1
+        _time.sleep(cost[route])
+        return x
+
+    monkeypatch.setattr(route_bench.ops, "run_route", fake_run_route)
+    layers, head = _layers(torch.bfloat16, n=1)
+    timer = route_bench.make_timer(layers, head, budget_s=0.5, num_measurements=3)
+    fast = timer(DECODE_ROWS, "panels", 16)
+    near = timer(DECODE_ROWS, "onednn", 16)  # within GIVE_UP: timed in full
+    slow = timer(DECODE_ROWS, "torch", 16)
+    sweep = len(layers[0])  # run_route calls in one sweep of the class's weights
+    assert runs["panels"] > 2 * sweep and runs["onednn"] > 2 * sweep
+    assert runs["torch"] == sweep, "the warm-up alone settles a route far slower than panels"
+    assert fast < near < slow and slow >= 0.02
+    # At other rows nothing was timed yet: torch is timed in full there.
+    runs.clear()
+    timer(DECODE_ROWS, "torch", 32)
+    assert runs["torch"] > 2 * sweep

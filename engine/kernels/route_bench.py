@@ -51,6 +51,12 @@ MAX_REPS = 20
 # Past this multiple of the budget (a busy host), the classes not yet timed keep their
 # defaults.
 OVERRUN = 2.0
+# A candidate whose first (warm-up) run takes this many times the fastest steady time of
+# a route timed before it at the same rows is not timed further: a warm-up is never that
+# much slower here, and on a CPU without a bf16 GEMM torch's bf16 linear took 8x the
+# panels', so timing it in full spent the whole budget (the classes after it then kept
+# their defaults, and the table was never cached).
+GIVE_UP = 3.0
 
 
 class LinearCopies(Protocol):
@@ -110,6 +116,8 @@ def make_timer(
     memory_depth = max(1, min(MEMORY_LAYERS, SWEEP_BYTES // max(1, layer_bytes)))
     generator = torch.Generator().manual_seed(0)
     inputs: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
+    # The fastest steady time so far of each (row class, rows): GIVE_UP's reference.
+    fastest: dict[tuple[str, int], float] = {}
 
     def x_for(rows: int, k: int, dtype: torch.dtype) -> torch.Tensor:
         key = (rows, k, dtype)
@@ -124,8 +132,10 @@ def make_timer(
                 return False
         return True
 
-    def best_of(run: Callable[[], object]) -> float:
-        run()  # warm-up
+    def best_of(run: Callable[[], object], warm_s: float, key: tuple[str, int]) -> float:
+        """Steady time of ``run``, whose warm-up run (already done) took ``warm_s``."""
+        if warm_s > GIVE_UP * fastest.get(key, math.inf):
+            return warm_s
         best = math.inf
         began = time.perf_counter()
         for _ in range(MAX_REPS):
@@ -134,21 +144,28 @@ def make_timer(
             best = min(best, time.perf_counter() - t0)
             if time.perf_counter() - began >= share:
                 break
+        fastest[key] = min(best, fastest.get(key, math.inf))
         return best
 
     @torch.inference_mode()
     def timer(row_class: str, route: str, rows: int) -> float:
         if row_class == PREFILL_ATTENTION:
             call = attention(route, rows) if attention is not None else None
-            return math.inf if call is None else best_of(call)
+            if call is None:
+                return math.inf
+            t0 = time.perf_counter()
+            call()  # warm-up
+            return best_of(call, time.perf_counter() - t0, (row_class, rows))
         if row_class in LM_HEAD_CLASSES:
             mods: list[LinearCopies] = [lm_head]
         else:
             depth = 1 if row_class == PREFILL_ROWS else memory_depth
             mods = [m for layer in layers[:depth] for m in layer]
-        if not sweep(mods, route, rows):  # does the route serve them
+        t0 = time.perf_counter()
+        if not sweep(mods, route, rows):  # does the route serve them (and warm-up)
             return math.inf
-        return best_of(lambda: sweep(mods, route, rows))
+        warm_s = time.perf_counter() - t0
+        return best_of(lambda: sweep(mods, route, rows), warm_s, (row_class, rows))
 
     return timer
 
