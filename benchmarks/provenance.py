@@ -87,6 +87,21 @@ def host_kind(flags: dict[str, bool]) -> str:
     return "AVX2" if flags.get("avx2") else "other"
 
 
+# host_kind -> the tag of a results file's name (``w1_<date>_<slug>.json``).
+HOST_SLUGS = {
+    "AMX": "amx",
+    "AVX512-BF16 (no AMX)": "avx512-bf16",
+    "AVX-512 (no bf16)": "avx512",
+    "AVX2": "avx2",
+    "other": "other",
+}
+
+
+def host_slug(kind: str) -> str:
+    """``host_kind``'s tag for file names."""
+    return HOST_SLUGS[kind]
+
+
 def isa_line(flags: dict[str, bool] | None = None) -> str:
     """``ISA: AMX; flags avx2 avx512f avx512_bf16 amx_bf16 amx_tile; ONEDNN_MAX_CPU_ISA: none``
     (a flag the CPU lacks reads ``no-<flag>``)."""

@@ -2,8 +2,9 @@
 
 Every figure in the README's benchmark section comes from a committed result file that
 names its command, date, git revision and machine; this script is the only writer of
-that section. It picks the newest full W1 run (``w1_<date>.json``; a ``--limit`` run only
-when there is no full one, labelled as partial), the newest serving run
+that section. It picks the newest full W1 run of each host kind (``w1_<date>[_<kind>].json``;
+one table per kind, since kernel speed and so the ratios depend on the CPU; a ``--limit``
+run only when there is no full one, labelled as partial), the newest serving run
 (``serving_<date>.json``) and the newest full structured-output run
 (``structured_cost_<date>_<dtype>.json``), renders them as markdown tables that cite their
 file, and replaces the text between the two markers in README.md.
@@ -22,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks import w1_report
+from benchmarks import provenance, w1_report
 from benchmarks.common import RunResult, fmt, markdown_table
 
 REPO = Path(__file__).resolve().parent.parent
@@ -36,16 +37,37 @@ def _newest(pattern: re.Pattern[str]) -> Path | None:
     return max(files, key=lambda p: p.name) if files else None
 
 
-def newest_w1() -> Path | None:
-    """The newest full W1 run, else the newest ``--limit`` run (the largest limit that day)."""
-    full = _newest(re.compile(r"w1_\d{4}-\d{2}-\d{2}\.json"))
-    if full:
-        return full
+# A full W1 run: ``w1_<date>.json`` (before results named their host kind) or
+# ``w1_<date>_<kind>.json`` (``provenance.host_slug``).
+_SLUGS = "|".join(provenance.HOST_SLUGS.values())
+_FULL_W1 = re.compile(rf"w1_(\d{{4}}-\d{{2}}-\d{{2}})(?:_({_SLUGS}))?\.json")
+# The order of the per-kind tables: the CPUs most servers have first.
+_KIND_ORDER = ("AMX", "AVX512-BF16 (no AMX)", "AVX-512 (no bf16)", "AVX2", "other")
+
+
+def newest_w1_per_kind() -> list[Path]:
+    """The newest full W1 run of each host kind (the ``host_kind`` its file records; runs
+    that record none are left out), in ``_KIND_ORDER``; with no such run, the newest
+    ``--limit`` run (the largest limit that day) alone."""
+    newest: dict[str, tuple[str, Path]] = {}
+    for p in RESULTS.glob("w1_*.json"):
+        m = _FULL_W1.fullmatch(p.name)
+        if not m:
+            continue
+        raw = json.loads(p.read_text())
+        kind, date = raw.get("host_kind"), raw.get("date", m.group(1))
+        if kind is None:  # made before results named their host kind: superseded
+            continue
+        if kind not in newest or date > newest[kind][0]:
+            newest[kind] = (date, p)
+    if newest:
+        order = {k: i for i, k in enumerate(_KIND_ORDER)}
+        return [newest[k][1] for k in sorted(newest, key=lambda k: order.get(k, len(order)))]
     pattern = re.compile(r"w1_(\d{4}-\d{2}-\d{2})_limit(\d+)\.json")
     limited = [(m, p) for p in RESULTS.glob("*.json") if (m := pattern.fullmatch(p.name))]
     if not limited:
-        return None
-    return max(limited, key=lambda mp: (mp[0].group(1), int(mp[0].group(2))))[1]
+        return []
+    return [max(limited, key=lambda mp: (mp[0].group(1), int(mp[0].group(2))))[1]]
 
 
 def newest_structured() -> Path | None:
@@ -67,8 +89,9 @@ def w1_section(path: Path) -> list[str]:
     busy = w1_report.machine_was_busy(summaries)
     limit = raw.get("options", {}).get("limit", "None")
     requests = summaries[0].runs[0].num_requests if summaries else 0
+    kind = raw.get("host_kind", "host kind not recorded")
     lines = [
-        f"### Engine, W1 offline ({requests} requests), SmolLM2-135M",
+        f"### Engine, W1 offline ({requests} requests), SmolLM2-135M, {kind} host",
         "",
         f"From [`{_rel(path)}`]({_rel(path)}): `{raw.get('command', '?')}`, "
         f"{raw.get('date', '?')}, git {raw.get('git_revision', 'unknown')}, "
@@ -268,8 +291,11 @@ def structured_section(path: Path) -> list[str]:
 
 def render() -> str:
     parts: list[str] = [BEGIN, ""]
-    w1 = newest_w1()
-    parts += w1_section(w1) if w1 else ["No W1 run is committed under benchmarks/results/."]
+    w1_runs = newest_w1_per_kind()
+    if not w1_runs:
+        parts.append("No W1 run is committed under benchmarks/results/.")
+    for i, w1 in enumerate(w1_runs):
+        parts += ([""] if i else []) + w1_section(w1)
     structured = newest_structured()
     if structured:
         parts += ["", *structured_section(structured)]

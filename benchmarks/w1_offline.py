@@ -370,8 +370,11 @@ def main(argv: list[str] | None = None) -> Path:
     # Quick runs get their own names so they never overwrite a full run's tables.
     # --deterministic runs too: a name of their own, so they never become the README's
     # W1 table (benchmarks.readme_table takes the newest w1_<date>).
+    # A full run's name ends with its host kind: the README keeps one W1 table per kind.
     kind = "w1_deterministic" if opts.deterministic else "w1"
-    stem = f"{kind}_{now:%Y-%m-%d}" + (f"_limit{opts.limit}" if opts.limit else "")
+    host = provenance.host_slug(provenance.host_kind(provenance.isa_flags()))
+    suffix = f"_limit{opts.limit}" if opts.limit else "" if opts.deterministic else f"_{host}"
+    stem = f"{kind}_{now:%Y-%m-%d}{suffix}"
     md = opts.results_dir / f"{stem}.md"
     md.write_text(text)
     raw = {
