@@ -461,6 +461,16 @@ def test_a_bf16_model_without_bf16_gemms_computes_on_widened_weights() -> None:
     defaults = default_routes("bfloat16", **avx2)
     assert defaults[GEMV_ROWS] == defaults[DECODE_ROWS] == "panels"
     assert defaults[PREFILL_ROWS] == "wide" and defaults[PREFILL_ATTENTION] == FLASH
+    # The LM head may take the widened GEMM too: a prefill worker (no panels) would
+    # otherwise run torch's bf16 linear over the vocabulary for every prompt.
+    assert candidates("lm_head_gemv", "bfloat16", **avx2) == ("panels", "wide", "torch")
+    no_panels = {**avx2, "panels": False}
+    assert default_routes("bfloat16", **no_panels)["lm_head_gemv"] == "wide"
+    assert default_routes("bfloat16", **no_panels)["lm_head"] == "wide"
+    assert default_routes("bfloat16", **no_panels)[GEMV_ROWS] == "torch"
+    # Where oneDNN has a bf16 GEMM the head is not offered the widened copy.
+    amx = {**avx2, "onednn": True, "bf16_dot": True}
+    assert "wide" not in candidates("lm_head", "bfloat16", **amx)
     # Without the kernels: oneDNN's fp32 GEMM on the widened copy is still there for prefill.
     bare = {**avx2, "kernels": False}
     assert candidates(GEMV_ROWS, "bfloat16", **bare) == ("torch",)

@@ -123,8 +123,17 @@ def candidates(
         out.append(ONEDNN)
     if row_class == PREFILL_ROWS and wide and dtype == "bfloat16":
         out.append(WIDE)
+    if row_class in LM_HEAD_CLASSES and _head_wide(dtype, onednn, wide):
+        out.append(WIDE)
     out.append(TORCH)
     return tuple(out)
+
+
+def _head_wide(dtype: str, onednn: bool, wide: bool) -> bool:
+    """Whether the LM head is offered the widened fp32 GEMM: only for bf16 where oneDNN
+    has no bf16 GEMM (a worker without panels, a prefill worker, would otherwise run
+    torch's bf16 linear over the whole vocabulary for every prompt)."""
+    return dtype == "bfloat16" and wide and not onednn
 
 
 def default_routes(
@@ -143,12 +152,14 @@ def default_routes(
     mid = PANELS if kernels and panels else big
     small = GEMV if bf16 and kernels and bf16_dot else mid
     prefill = WIDE if bf16 and wide else big
+    head_mid = mid if mid != TORCH or not _head_wide(dtype, onednn, wide) else WIDE
+    head_small = small if small != TORCH else head_mid
     return {
         GEMV_ROWS: small,
         DECODE_ROWS: mid,
         PREFILL_ROWS: prefill,
-        LM_HEAD_GEMV_ROWS: small,
-        LM_HEAD_ROWS: mid,
+        LM_HEAD_GEMV_ROWS: head_small,
+        LM_HEAD_ROWS: head_mid,
         PREFILL_ATTENTION: FLASH if kernels else TORCH,
     }
 

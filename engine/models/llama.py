@@ -325,7 +325,9 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.model = LlamaModel(cfg)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.lm_head.wide = False  # it only sees the sampled rows of a step
+        # It only sees the sampled rows of a step: a widened copy pays only where oneDNN
+        # has no bf16 GEMM (route_table.candidates offers it there), and routes decide.
+        self.lm_head.wide = not ops.onednn_serves(torch.bfloat16)
         self.lm_head.is_lm_head = True
         # The kernel of each row class (``set_kernel_routes``); None: ops' constants.
         self.kernel_routes: RouteTable | None = None
