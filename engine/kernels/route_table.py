@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 
 # Routes, by name (labels in logs, Stats and metrics):
 GEMV = "gemv"  # the AVX512-BF16 GEMV kernel (bf16 only)
-# the panel kernel on panel-packed weights (bf16 pairs on the bf16 dot product, else fp32)
+# the panel kernel on panel-packed weights (bf16 pairs on the bf16 dot product, else the
+# weight's own dtype, computed in fp32)
 PANELS = "panels"
 # oneDNN's matmul on the prepacked weight in the layer's dtype (AMX for bf16 where the CPU
 # has it and oneDNN's ISA cap allows it)
