@@ -18,7 +18,6 @@ difference between the two outputs.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import functools
 import os
 import random
@@ -33,7 +32,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import markdown_table
-from benchmarks.provenance import REPO, header_lines
+from benchmarks.provenance import REPO, header_lines, publish
 from engine.huge_pages import zeros_on_huge_pages
 from engine.kernels.cpu import CXX_FLAGS, cpu_kernels
 
@@ -169,11 +168,7 @@ def main() -> None:
         markdown_table(HEADER, rows),
         "",
     ]
-    report = "\n".join(lines)
-    print(report)
-    out = REPO / "benchmarks" / "results" / f"decode_attention_{dt.date.today()}.md"
-    out.write_text(report)
-    print(f"wrote {out}")
+    publish("\n".join(lines), "decode_attention")
 
 
 if __name__ == "__main__":

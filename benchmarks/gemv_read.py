@@ -22,7 +22,6 @@ each one's share of the read, and the huge/4k ratio.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import os
 import statistics
 import sys
@@ -33,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import markdown_table
-from benchmarks.provenance import REPO, header_lines
+from benchmarks.provenance import header_lines, publish
 from engine.huge_pages import HugePageArena, huge_page_bytes
 from engine.kernels.cpu import cpu_kernels
 
@@ -119,11 +118,7 @@ def main() -> None:
         f"gemv huge / torch huge: {med['gemv huge'] / med['torch huge']:.2f}x.",
         "",
     ]
-    report = "\n".join(lines)
-    print(report)
-    out = REPO / "benchmarks" / "results" / f"gemv_read_{dt.date.today()}.md"
-    out.write_text(report)
-    print(f"wrote {out}")
+    publish("\n".join(lines), "gemv_read")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ machine and load.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import os
 import random
 import statistics
@@ -28,7 +27,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import markdown_table
-from benchmarks.provenance import REPO, header_lines
+from benchmarks.provenance import header_lines, publish
 from engine.huge_pages import huge_page_bytes, thp_mode, zeros_on_huge_pages
 from engine.kernels.cpu import cpu_kernels
 
@@ -119,13 +118,7 @@ def main() -> None:
         ),
         "",
     ]
-    report = "\n".join(lines)
-    print(report)
-    out_path = args.out or (
-        REPO / "benchmarks" / "results" / f"kv_huge_pages_{dt.date.today()}_{args.dtype}.md"
-    )
-    out_path.write_text(report)
-    print(f"wrote {out_path}")
+    publish("\n".join(lines), "kv_huge_pages", f"_{args.dtype}", args.out)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ machine and load.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import os
 import statistics
 import sys
@@ -32,7 +31,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import markdown_table
-from benchmarks.provenance import REPO, header_lines
+from benchmarks.provenance import header_lines, publish
 from engine.kernels import ops
 
 LAYERS, HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM = 30, 576, 1536, 9, 3, 64
@@ -120,12 +119,7 @@ def main() -> None:
             "",
         ]
     )
-    print(report)
-    out_path = args.out or (
-        REPO / "benchmarks" / "results" / f"panel_linear_{dt.date.today()}_{args.dtype}.md"
-    )
-    out_path.write_text(report)
-    print(f"wrote {out_path}")
+    publish(report, "panel_linear", f"_{args.dtype}", args.out)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ difference between the two outputs.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import os
 import statistics
 import sys
@@ -36,7 +35,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import markdown_table
-from benchmarks.provenance import REPO, header_lines
+from benchmarks.provenance import header_lines, publish
 from engine.kernels.cpu import cpu_kernels
 from engine.kernels.route_table import FLASH, TORCH
 from engine.layers.attention import PagedAttention, prefill_probe
@@ -109,13 +108,7 @@ def main() -> None:
         markdown_table(HEADER, rows),
         "",
     ]
-    report = "\n".join(lines)
-    print(report)
-    out_path = args.out or (
-        REPO / "benchmarks" / "results" / f"prefill_attention_{dt.date.today()}.md"
-    )
-    out_path.write_text(report)
-    print(f"wrote {out_path}")
+    publish("\n".join(lines), "prefill_attention", out=args.out)
 
 
 if __name__ == "__main__":

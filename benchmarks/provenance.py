@@ -135,3 +135,16 @@ def header_lines(
         f"Load average (1/5/15 min): {'/'.join(f'{x:.2f}' for x in load_before)} before,"
         f" {'/'.join(f'{x:.2f}' for x in load_after)} after",
     ]
+
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def publish(report: str, name: str, suffix: str = "", out: Path | None = None) -> Path:
+    """Print a small benchmark's markdown ``report`` and write it to ``out`` (default
+    ``benchmarks/results/<name>_<today><suffix>.md``); returns the path."""
+    print(report)
+    path = out or RESULTS / f"{name}_{dt.date.today()}{suffix}.md"
+    path.write_text(report)
+    print(f"wrote {path}")
+    return path
