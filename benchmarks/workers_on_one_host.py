@@ -5,8 +5,9 @@
 
 Each configuration is a set of ``baton serve`` flags (``CONFIGS``: ``--single-process``,
 the defaults, ``--decode-workers 2``, ``--prefill-workers 2 --decode-workers 2``), run
-with the launcher's core plan (``gateway.core_plan``, the default) and with
-``--no-core-plan``, one after the other, so that the pair sees the same machine. A
+with the launcher's core plan (``gateway.core_plan``) and lending (``engine.core_lending``),
+the defaults, with the plan but ``--no-core-lending``, and with ``--no-core-plan``, one
+after the other, so that they see the same machine. A
 deployment is started as ``baton serve`` starts it (the same flag parser and
 ``ClusterSpec``), warmed up with one request, then sent ``--runs`` bursts of
 ``--streams`` concurrent greedy streams of ``--max-tokens`` tokens each (ignore_eos, so
@@ -45,7 +46,11 @@ CONFIGS: dict[str, tuple[str, ...]] = {
     "decode2": ("--decode-workers", "2"),
     "p2d2": ("--prefill-workers", "2", "--decode-workers", "2"),
 }
-PLANS = ("on", "off")
+# Core plan values: the default (plan and lending), the plan without lending
+# (--no-core-lending), no plan (--no-core-plan).
+PLANS = ("on", "nolend", "off")
+PLAN_FLAGS = {"on": (), "nolend": ("--no-core-lending",), "off": ("--no-core-plan",)}
+PLAN_NAMES = {"on": "on, lending", "nolend": "on, no lending", "off": "off"}
 PROMPT_SEED = 1600  # stream i's prompt is fixed_prompt(PROMPT_SEED + i, prompt_len)
 
 
@@ -53,9 +58,7 @@ def serve_spec(flags: tuple[str, ...], plan: str, opts: argparse.Namespace) -> A
     """The ClusterSpec ``baton serve <flags>`` would start (its own parser), on any port."""
     from gateway import cli
 
-    argv = ["serve", "--model", opts.model, "--dtype", opts.dtype, *flags]
-    if plan == "off":
-        argv.append("--no-core-plan")
+    argv = ["serve", "--model", opts.model, "--dtype", opts.dtype, *flags, *PLAN_FLAGS[plan]]
     args = cli._parser().parse_args(argv)
     spec = cli._spec(args, gateway_port=0)
     return dataclasses.replace(spec, start_timeout_s=opts.start_timeout_s)
@@ -79,6 +82,7 @@ def run_one(name: str, plan: str, opts: argparse.Namespace) -> dict[str, Any]:
     started = time.monotonic()
     with LocalCluster(serve_spec(flags, plan, opts)) as cluster:
         startup_s = time.monotonic() - started
+        lending = cluster.core_shares is not None
         workers = [
             {
                 "kind": p.kind,
@@ -114,6 +118,7 @@ def run_one(name: str, plan: str, opts: argparse.Namespace) -> dict[str, Any]:
         "config": name,
         "flags": " ".join(flags) or "(defaults)",
         "core_plan": plan,
+        "lending": lending,
         "workers": workers,
         "startup_s": round(startup_s, 1),
         "wall_s": walls,
@@ -134,7 +139,7 @@ def render(raw: dict[str, Any]) -> str:
         rows.append(
             [
                 f"`{r['flags']}`",
-                r["core_plan"],
+                PLAN_NAMES.get(r["core_plan"], r["core_plan"]),
                 shares,
                 f"{r['median_wall_s']:.1f} s",
                 f"{r['median_output_tok_s']:.1f}",
@@ -172,7 +177,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2-135m", help="bundled name or checkpoint dir")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"among {list(CONFIGS)}")
-    p.add_argument("--plans", default=",".join(PLANS), help="core plan on, off or both")
+    p.add_argument(
+        "--plans",
+        default=",".join(PLANS),
+        help="among on (plan and lending), nolend (plan, --no-core-lending), off",
+    )
     p.add_argument("--streams", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=120)
     p.add_argument("--prompt-len", type=int, default=32)

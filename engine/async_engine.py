@@ -450,6 +450,7 @@ class AsyncEngine:
         try:
             while not self._stopping:
                 if not core.has_work():
+                    core.runner.idle()
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                 self._drain()
@@ -483,6 +484,7 @@ class AsyncEngine:
         try:
             while not self._stopping:
                 if inflight is None and not core.has_work():
+                    core.runner.idle()  # lends its cores to workers beside it
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                 self._drain()

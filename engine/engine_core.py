@@ -192,12 +192,14 @@ class EngineCore:
         self.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
         self.pool.reset_prefix_cache()
         self.kv_events.close_batch()
+        self.runner.idle()
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
     def stats(self) -> EngineStats:
         s = self.scheduler
+        lending = self.runner.lending
         return EngineStats(
             num_running=len(s.running),
             # Reservations queued for blocks wait too (without blocks), as routing sees it.
@@ -218,6 +220,8 @@ class EngineCore:
             max_queued_requests=s.max_queued,
             cpu_kernel_routes=self._kernel_routes,
             attention_fallback=self.attention_fallback,
+            borrowed_forwards=lending.borrowed_forwards if lending else 0,
+            core_wait_seconds=lending.waited_s if lending else 0.0,
         )
 
     def generate(

@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,8 @@ import torch
 
 from engine.compute_thread import ComputeThread
 from engine.config import EngineConfig, ModelConfig
+from engine.core_lending import CoreLending, Team
+from engine.cpu_budget import pin_process
 from engine.device import build_on, resolve_device
 from engine.forward_context import AttentionMetadata, ForwardContext, PrefillSeq, forward_context
 from engine.grammar import GrammarCompiler
@@ -113,6 +116,16 @@ class ModelRunner:
                 f"expected {shape} {self.dtype} on {self.device}"
             )
         self.compute = ComputeThread(cfg.num_threads)
+        # Cores borrowed from, and lent to, workers on the same host (engine.core_lending).
+        self.lending: CoreLending | None = None
+        if cfg.core_shares and self.device.type == "cpu":
+            home = Team(frozenset(os.sched_getaffinity(0)), self.compute.num_threads())
+            self.lending = CoreLending(
+                Path(cfg.core_shares), home.cpus, home.threads, borrow=not cfg.deterministic
+            )
+            # The mask and team now in force (they change only when a share does).
+            self._mask, self._threads = home.cpus, home.threads
+            self._mask_lock = threading.Lock()
         # The kernel of each linear row class (CPU; chosen while loading), None elsewhere.
         self.kernel_routes: RouteTable | None = None
         try:
@@ -223,6 +236,33 @@ class ModelRunner:
         """End the compute thread once queued steps are done. Idempotent."""
         self.compute.shutdown()
         self.guided.close()
+        if self.lending is not None:
+            self.lending.close()
+
+    def idle(self) -> None:
+        """The engine has no work: give back borrowed cores, lend this worker's, and keep
+        its threads (gRPC's too) off those it lends. Call it with no forward in flight."""
+        if self.lending is None:
+            return
+        self.lending.idle()
+        with self._mask_lock:
+            if self._mask != self.lending.home.cpus:
+                pin_process(self.lending.home.cpus)
+                self._mask = self.lending.home.cpus
+
+    def _settle_team(self) -> None:
+        """Before a forward: take this worker's cores back, borrow idle neighbours'."""
+        if self.lending is None:
+            return
+        with self.timeline.span("cores", RUNNER):
+            team = self.lending.team()
+        with self._mask_lock:
+            if team.cpus != self._mask:
+                pin_process(team.cpus)
+                self._mask = team.cpus
+        if team.threads != self._threads:
+            torch.set_num_threads(team.threads)  # the compute thread's own setting
+            self._threads = team.threads
 
     # -- the step ---------------------------------------------------------------------
 
@@ -260,6 +300,7 @@ class ModelRunner:
     def _run(self, step: PreparedStep) -> list[SampledToken | None]:
         """Forward and sample; a token per seq with ``sample=True``. On the compute thread."""
         self._fill_pending(step)
+        self._settle_team()
         tl = self.timeline
         t0 = time.perf_counter()
         with tl.span("forward", RUNNER, _step_args(step.sched) if tl.enabled else None):

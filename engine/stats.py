@@ -42,6 +42,11 @@ class EngineStats:
     # GPU: the Triton kernels did not build and --attention-fallback torch chose the
     # plain-torch runner.
     attention_fallback: bool = False
+    # CPU, workers planned on one host (engine.core_lending): forwards run on a team
+    # widened by idle neighbours' cores, and time spent waiting for a lent share to come
+    # back, since start.
+    borrowed_forwards: int = 0
+    core_wait_seconds: float = 0.0
 
 
 # Upper bounds (seconds) of the KV transfer duration histogram: a few blocks over shm

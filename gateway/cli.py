@@ -8,7 +8,8 @@
 ``run`` and ``serve`` start a gateway and ``--prefill-workers`` prefill and
 ``--decode-workers`` decode workers (one each by default) as separate processes on
 127.0.0.1 (``--single-process`` for workers doing both), which share the host's cores
-by a plan (``gateway.core_plan``; ``--no-core-plan`` turns it off). The gateway finds them as it
+by a plan (``gateway.core_plan``; ``--no-core-plan`` turns it off) and lend each other
+the cores they leave idle (``engine.core_lending``). The gateway finds them as it
 does in Kubernetes, by ``dns:///`` names, answered here from a file the launcher keeps
 (``gateway.launcher``). ``generate`` and the streaming part of ``run`` are the Python
 client's command line (``protos.client``).
@@ -57,6 +58,14 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
         "with a compute team as wide as its share, never more threads in all than cores "
         "(default on; --no-core-plan: every worker sizes its team from the whole host)",
     )
+    p.add_argument(
+        "--core-lending",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with the core plan, a worker with no work lends its cores to the others, "
+        "which widen their teams until it wants them back (default on; --no-core-lending: "
+        "each worker keeps to its share)",
+    )
     p.add_argument("--log-level", default="WARNING")
 
 
@@ -75,6 +84,7 @@ def _spec(
         http_port=http_port,
         log_level=args.log_level,
         core_plan=args.core_plan,
+        core_lending=args.core_lending,
     )
 
 

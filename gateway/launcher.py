@@ -42,6 +42,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from engine.core_lending import close_shares, create_share
 from engine.cpu_budget import format_cpu_list, physical_cores, read_cpu_budget
 from gateway.core_plan import WorkerCores, plan_cores
 
@@ -76,6 +77,10 @@ class ClusterSpec:
     # never more compute threads in all than cores. Off: every worker sizes its team
     # from the whole host (what several teams on one host fight over).
     core_plan: bool = True
+    # With the plan, workers lend their share while they have no work and borrow idle
+    # neighbours' (engine.core_lending): a decode worker beside an idle prefill worker
+    # computes on both shares. Off: each worker keeps to its share.
+    core_lending: bool = True
     gateway_port: int = 0  # 0: any free port
     http_port: int | None = None  # the gateway's OpenAI-compatible HTTP; None: off, 0: any
     start_timeout_s: float = 600.0
@@ -131,6 +136,8 @@ class LocalCluster:
         # The fleets' answer the gateway reads (its --resolve-file): the local DNS.
         self.resolve_file = self.workdir / "fleets.json"
         self._spawned: dict[str, int] = {}  # kind -> processes started (index of the next)
+        # The workers' core shares (engine.core_lending) when they lend each other cores.
+        self.core_shares: Path | None = None
 
     def __enter__(self) -> LocalCluster:
         try:
@@ -170,8 +177,9 @@ class LocalCluster:
         if s.mode == "disaggregated":
             kinds = ["prefill"] * s.num_prefill + kinds
         shares = self.plan(kinds)
+        self.core_shares = lending = self._lending_dir(shares)
         workers = [
-            self._spawn(k, self._next_index(k), self.worker_argv(k), cores=c)
+            self._spawn(k, self._next_index(k), self.worker_argv(k), cores=c, lending=lending)
             for k, c in zip(kinds, shares, strict=True)
         ]
         deadline = time.monotonic() + s.start_timeout_s
@@ -253,6 +261,11 @@ class LocalCluster:
             raise ValueError(f"kind must be one of {kinds} in {self.spec.mode} mode, got {kind!r}")
         running = [p.kind for p in self.procs if p.kind in WORKER_KINDS and p.popen.poll() is None]
         cores = self.plan([*running, kind])[-1]
+        if self.core_shares is not None:
+            # Its share overlaps those planned at start: lending them would put more
+            # threads to work than cores.
+            close_shares(self.core_shares)
+            self.core_shares = None
         proc = self._spawn(
             kind, self._next_index(kind), argv or self.worker_argv(kind), port, cores=cores
         )
@@ -317,6 +330,23 @@ class LocalCluster:
                 out[i] = share
         return out
 
+    @property
+    def _shares_dir(self) -> Path:
+        return self.workdir / "core-shares"
+
+    def _lending_dir(self, shares: list[WorkerCores | None]) -> Path | None:
+        """The core shares of workers planned on disjoint CPUs (``engine.core_lending``),
+        made for them to lend each other; None where nothing can be lent."""
+        if not self.spec.core_lending or len(shares) < 2 or None in shares:
+            return None
+        planned = [c for c in shares if c is not None]
+        if sum(len(c.cpus) for c in planned) != len(frozenset().union(*(c.cpus for c in planned))):
+            return None  # more workers than cores: every one runs on all of them
+        self._shares_dir.mkdir(exist_ok=True)
+        for c in planned:
+            create_share(self._shares_dir, c.cpus, c.threads)
+        return self._shares_dir
+
     def host_of(self, kind: str) -> str:
         """The address a ``kind`` process serves on: loopback here; a test that puts
         processes on hosts of its own (network namespaces) gives theirs."""
@@ -343,6 +373,7 @@ class LocalCluster:
         argv: list[str],
         port: int = 0,
         cores: WorkerCores | None = None,
+        lending: Path | None = None,
     ) -> LocalProcess:
         port_file = self.workdir / f"{kind}-{index}.port"
         log = self.workdir / f"{kind}-{index}.log"
@@ -357,6 +388,7 @@ class LocalCluster:
                 format_cpu_list(cores.cpus),
                 "--num-threads",
                 str(cores.threads),
+                *(["--core-shares", str(lending)] if lending is not None else []),
                 *argv[1:],
             ]
             env["OMP_NUM_THREADS"] = str(cores.threads)

@@ -193,6 +193,17 @@ class WorkerCollector(Collector):
             s.busy_seconds,
         )
         yield counter("baton_engine_steps_total", "Engine steps run.", s.num_steps)
+        yield counter(
+            "baton_cpu_borrowed_forwards_total",
+            "Forwards run on a compute team widened by the cores of idle workers beside "
+            "this one (--core-shares).",
+            s.borrowed_forwards,
+        )
+        yield counter(
+            "baton_cpu_core_wait_seconds_total",
+            "Time this worker waited for its lent cores to come back before a forward.",
+            s.core_wait_seconds,
+        )
         yield gauge(
             "baton_attention_fallback",
             "1 when this GPU worker's Triton attention kernels did not build and it serves "

@@ -1,15 +1,22 @@
 """A launched cluster's workers run where the core plan put them: every thread of each
 worker within its CPU set (the worker pinned itself at start, no preexec_fn), and its
-compute team as wide as its share."""
+compute team as wide as its share; a decode worker beside an idle prefill worker
+computes on both shares (engine.core_lending) and is back on its own once idle."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
+import time
 from pathlib import Path
+
+import pytest
 
 from engine.cpu_budget import parse_cpu_list
 from gateway.launcher import ClusterSpec, LocalCluster
+from tests.e2e_helpers import assert_completed, gateway_stub, generate, ids_request
+from tests.test_e2e_scaling import scrape
 
 
 def thread_masks(pid: int) -> set[frozenset[int]]:
@@ -33,6 +40,7 @@ def test_workers_pin_themselves_to_their_share_and_size_their_teams(tiny_llama: 
         num_decode=1,
         start_timeout_s=180.0,
         log_level="INFO",
+        metrics=True,
     )
     with LocalCluster(spec) as cluster:
         workers = [p for p in cluster.procs if p.kind != "gateway"]
@@ -52,3 +60,44 @@ def test_workers_pin_themselves_to_their_share_and_size_their_teams(tiny_llama: 
             assert not workers[0].cores.cpus & workers[1].cores.cpus  # type: ignore[union-attr]
         gateway = cluster.process("gateway")
         assert thread_masks(gateway.pid) == {frozenset(os.sched_getaffinity(0))}
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs a core for each worker")
+def test_a_decode_worker_borrows_the_idle_prefill_workers_core(tiny_llama: Path) -> None:
+    spec = ClusterSpec(
+        model=str(tiny_llama),
+        dtype="float32",
+        start_timeout_s=180.0,
+        log_level="INFO",
+        metrics=True,
+    )
+    with LocalCluster(spec) as cluster:
+        assert cluster.core_shares is not None
+        prefill, decode = (next(p for p in cluster.procs if p.kind == k) for k in WORKERS)
+        assert prefill.cores and decode.cores and not prefill.cores.cpus & decode.cores.cpus
+
+        async def one() -> None:
+            async with gateway_stub(cluster.gateway_address) as stub:
+                outcome = await generate(stub, ids_request(24, "lend", max_tokens=32))
+            assert_completed(outcome, 32, cluster.logs())
+
+        asyncio.run(one())
+        # The prefill worker is idle while decode runs the stream's 31 steps (metrics are
+        # a snapshot a moment old: wait for the steps to show).
+        for _ in range(100):
+            seen = scrape(decode)
+            if seen["baton_engine_steps_total"] >= 31:
+                break
+            time.sleep(0.05)
+        assert seen["baton_cpu_borrowed_forwards_total"] >= 16, seen
+        # Idle again: every thread back on its own share within the loop's idle tick.
+        both = prefill.cores.cpus | decode.cores.cpus
+        for _ in range(40):
+            if thread_masks(decode.popen.pid) == {decode.cores.cpus}:
+                break
+            time.sleep(0.05)
+        assert thread_masks(decode.popen.pid) == {decode.cores.cpus}, both
+        assert thread_masks(prefill.popen.pid) == {prefill.cores.cpus}
+
+
+WORKERS = ("prefill", "decode")

@@ -46,6 +46,8 @@ def engine_stats(**fields: float) -> EngineStats:
         "busy_seconds": 12.5,
         "num_prompt_tokens_total": 900,
         "num_generated_tokens_total": 77,
+        "borrowed_forwards": 6,
+        "core_wait_seconds": 0.75,
     }
     base.update(fields)
     return EngineStats(**base)  # type: ignore[arg-type]
@@ -92,6 +94,8 @@ def test_worker_collector_exposes_every_worker_metric_from_the_snapshot() -> Non
         "baton_engine_busy_ratio": 0.25,
         "baton_engine_busy_seconds_total": 12.5,
         "baton_engine_steps_total": 40,
+        "baton_cpu_borrowed_forwards_total": 6,
+        "baton_cpu_core_wait_seconds_total": 0.75,
         "baton_attention_fallback": 0,
         "baton_prefix_cache_queries_total": 128,
         "baton_prefix_cache_hits_total": 32,

@@ -5,6 +5,7 @@ the results file's provenance, ISA and table; it asserts nothing about speed."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from benchmarks import workers_on_one_host
@@ -19,6 +20,8 @@ def test_runs_plan_on_and_off_and_writes_the_table(tiny_llama: Path, tmp_path: P
             "float32",
             "--configs",
             "decode2",
+            "--plans",
+            "on,off",
             "--streams",
             "2",
             "--max-tokens",
@@ -37,10 +40,13 @@ def test_runs_plan_on_and_off_and_writes_the_table(tiny_llama: Path, tmp_path: P
     assert md.parent == tmp_path and md.name.startswith("workers_on_one_host_")
     assert "Command: `python -m benchmarks.workers_on_one_host --model" in text
     assert "CPU flags:" in text and "git revision:" in text and "Load average" in text
-    assert "| `--decode-workers 2` | on |" in text and "| `--decode-workers 2` | off |" in text
+    assert "| `--decode-workers 2` | on, lending |" in text
+    assert "| `--decode-workers 2` | off |" in text
     raw = json.loads(md.with_suffix(".json").read_text())
     on, off = raw["results"]
     assert (on["core_plan"], off["core_plan"]) == ("on", "off")
+    # Three workers on a CI host of 2 cores all run on every CPU: nothing to lend.
+    assert on["lending"] == (len(os.sched_getaffinity(0)) >= 3) and not off["lending"]
     assert [w["kind"] for w in on["workers"]] == ["prefill", "decode", "decode"]
     # Plan on: every worker has CPUs and a team; off: none (each sizes from the host).
     assert all(w["cpus"] and w["threads"] >= 1 for w in on["workers"])
