@@ -11,12 +11,17 @@ layer order) for each row count:
   ``panels`` route at every row count (bf16 pair panels where the build has the bf16 dot
   product, else fp32 panels).
 
+With ``--prefetch 0,1,2,4`` it also times the panels at each of those rates of software
+prefetch (cache lines of the next panel per k of the current one; the kernel's own
+rate, ``prefetch_lines_per_k``, is the ``panels`` column): the figures behind that rate.
+
 The variants alternate pass by pass, so noise from other work hits both alike. Prints
 the median pass time of each, GFLOP/s and the ratio; writes a markdown report to
 ``benchmarks/results/panel_linear_<date>_<dtype>.md`` with the command, date, revision,
 machine and load.
 
     python -m benchmarks.panel_linear [--dtype float32] [--rows 1 8 26 64] [--reps 15]
+        [--prefetch 0,1,2,4]
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -33,6 +39,7 @@ import torch
 from benchmarks.common import markdown_table
 from benchmarks.provenance import header_lines, publish
 from engine.kernels import ops
+from engine.kernels.cpu import cpu_kernels
 
 LAYERS, HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM = 30, 576, 1536, 9, 3, 64
 SHAPES = (  # (N, K) of qkv, o, gate_up, down
@@ -49,9 +56,14 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 26, 40, 64, 96])
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--prefetch", default="", help="rates to time too, e.g. 0,1,2,4")
     args = ap.parse_args()
+    rates = [int(r) for r in args.prefetch.split(",") if r.strip()]
     if ops.pack_panels(torch.zeros(64, 64)) is None:
         sys.exit("the compiled CPU kernels are unavailable here")
+    built = cpu_kernels()
+    assert built is not None
+    kernels = built.ops
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
     load_before = os.getloadavg()
@@ -71,7 +83,18 @@ def main() -> None:
             for w, p in zip(weights, panels, strict=True):
                 ops.linear(inputs[w.shape[1]], w, None, None, None, p, route="panels")
 
+        def at_rate(lines: int, run: Callable[[], None] = run_panels) -> Callable[[], None]:
+            def timed() -> None:
+                kernels.set_panel_prefetch(lines)
+                try:
+                    run()
+                finally:
+                    kernels.set_panel_prefetch(-1)
+
+            return timed
+
         variants = {"onednn": run_onednn, "panels": run_panels}
+        variants.update({f"pf{r}": at_rate(r) for r in rates})
         times: dict[str, list[float]] = {name: [] for name in variants}
         for fn in variants.values():
             fn()
@@ -89,6 +112,7 @@ def main() -> None:
                 f"{m * flops_per_row / med['onednn'] / 1e9:.0f}",
                 f"{m * flops_per_row / med['panels'] / 1e9:.0f}",
                 f"{med['onednn'] / med['panels']:.2f}",
+                *(f"{med[f'pf{r}'] * 1e3:.1f}" for r in rates),
             ]
         )
         print(" | ".join(rows_out[-1]), flush=True)
@@ -113,6 +137,7 @@ def main() -> None:
                     "oneDNN GFLOP/s",
                     "panels GFLOP/s",
                     "panels speed-up",
+                    *(f"panels ms, {r} lines/k" for r in rates),
                 ],
                 rows_out,
             ),  # fmt: skip

@@ -197,6 +197,7 @@ TORCH_LIBRARY(baton_cpu, m) {
       "Tensor?[] o_pp, Tensor?[] gate_up_pp, Tensor?[] down_pp, int num_heads, float eps, float scale, "
       "int[] windows, int[] routes=[], int split=0) -> Tensor");
   m.def("has_bf16_dot() -> bool", &has_bf16_dot);
+  m.def("set_panel_prefetch(int lines) -> int", &set_panel_prefetch);
 }
 
 TORCH_LIBRARY_IMPL(baton_cpu, CPU, m) {

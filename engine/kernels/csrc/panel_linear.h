@@ -21,6 +21,8 @@
 //   ``python -m benchmarks.panel_linear --dtype bfloat16``). The route timer decides.
 #pragma once
 
+#include <atomic>
+
 #include "linear.h"
 #include "vec16.h"
 
@@ -85,11 +87,24 @@ at::Tensor pack_panels(const at::Tensor& w) {
 
 inline void prefetch_l2(const char* p) { __builtin_prefetch(p, 0, 2); }
 
+// Cache lines of the next panel prefetched into L2 per k of the current one; -1: the
+// tile's own rate (prefetch_lines_per_k). Set only by set_panel_prefetch, for the
+// benchmark that measures the rates (benchmarks/panel_linear.py --prefetch).
+inline std::atomic<int> g_panel_prefetch{-1};
+
+int64_t set_panel_prefetch(int64_t lines) {
+  TORCH_CHECK(lines >= -1 && lines <= 16, "set_panel_prefetch: lines must be in [-1, 16]");
+  return g_panel_prefetch.exchange(int(lines));
+}
+
 // Rows [0, MR) of x (fp32, row stride xs) against one panel; writes ``cols`` columns of
 // y (row stride ys), adding bias when given. Issues ``per_k`` prefetches of the next
 // panel per k from ``pf`` up to ``pf_end``. Each output column sums over k in order, one
 // multiply-add per k, on every ISA.
 #if defined(__AVX512F__)
+// The next panel (4 lines a k in fp32) spread over the row tiles that read this one.
+inline int prefetch_lines_per_k(int64_t tiles) { return int((4 + tiles - 1) / tiles); }
+
 template <int MR, typename T, typename W>
 inline void panel_tile(const float* x, int64_t xs, const W* panel, int64_t K, const T* bias, T* y, int64_t ys,
                        int64_t cols, const char*& pf, const char* pf_end, int per_k) {
@@ -120,6 +135,14 @@ inline void panel_tile(const float* x, int64_t xs, const W* panel, int64_t K, co
 // panel's 4 column vectors (V16 = 2 registers), so that MR x NV accumulators, a weight
 // vector and the broadcast fit (1 row: all 64 columns, 2 rows: 32, more: 16 per pass).
 // The passes after the first read the panel from L2.
+//
+// One line of the next panel a k, whatever the rows and dtype: each pass runs K k's, and
+// faster prefetching competes with the stream the pass reads. Over SmolLM2-135M's 121
+// weights on an AMD EPYC without AVX-512 (python -m benchmarks.panel_linear --prefetch):
+// a bf16 pass at 1 row 10.5 ms at one line a k, 13.0 at four (the AVX-512 tile's rate),
+// 11.6 with none; 16 rows 32.0 ms against 35.4 at two; fp32 1 row 18.6 against 22.3.
+inline int prefetch_lines_per_k(int64_t) { return 1; }
+
 template <int MR, int NV, typename W>
 inline void panel_pass(const float* x, int64_t xs, const W* panel, int64_t K, int v0, float* out,
                        const char*& pf, const char* pf_end, int per_k) {
@@ -172,8 +195,8 @@ void linear_panels_impl(const float* xp, int64_t xs, int64_t M, int64_t K, const
   // Row tiles of at most 6, as even as possible (26 rows: 6 + 5 + 5 + 5 + 5).
   const int64_t tiles = (M + 5) / 6;
   const int64_t base = M / tiles, extra = M % tiles;
-  // The next panel is K lines of 4 cache lines each: spread its prefetch over the tiles.
-  const int per_k = int((4 + tiles - 1) / tiles);
+  const int forced = g_panel_prefetch.load(std::memory_order_relaxed);
+  const int per_k = forced >= 0 ? forced : prefetch_lines_per_k(tiles);
   const int64_t threads = at::get_num_threads();
   // Contiguous runs of panels per thread: each streams one region of memory.
   at::parallel_for(0, P, (P + threads - 1) / threads, [&](int64_t pb, int64_t pe) {
