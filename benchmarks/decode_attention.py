@@ -8,7 +8,7 @@ Two block layouts: ``contiguous`` (each sequence's blocks in a run, as a fresh p
 them out) and ``shuffled`` (anywhere in the pool, as in a long-running server). A plain
 read of as many bytes (an int64 sum) runs in the same reps, as the bound.
 
-Prints and writes (``benchmarks/results/decode_attention_<date>.md``) the median step
+Prints and writes (``benchmarks/results/decode_attention_<date>_<host kind>.md``) the median step
 time, the K+V bytes read per second, each one's speed-up over ``--against`` and the max
 difference between the two outputs.
 

@@ -13,7 +13,7 @@ arena, as the engine holds them. Each rep runs, in turn:
 - ``read``: an int64 sum over as many bytes (what ``benchmarks.w1_offline`` calls the
   read bound).
 
-Prints and writes (``benchmarks/results/gemv_read_<date>.md``) the median GB/s of each,
+Prints and writes (``benchmarks/results/gemv_read_<date>_<host kind>.md``) the median GB/s of each,
 each one's share of the read, and the huge/4k ratio.
 
     python -m benchmarks.gemv_read [--reps 25] [--rows 1]

@@ -7,7 +7,7 @@ decode rows shuffled block tables over it, and times the compiled decode attenti
 every layer (``torch.ops.baton_cpu.decode_attention``) on both pools in turn, so noise
 from other work hits both alike. Prints the median step time of each pool, the bytes of
 K and V read per step over that time, and the ratio; writes a markdown report to
-``benchmarks/results/kv_huge_pages_<date>_<dtype>.md`` with the command, date, revision,
+``benchmarks/results/kv_huge_pages_<date>_<dtype>_<host kind>.md`` with the command, date, revision,
 machine and load.
 
     python -m benchmarks.kv_huge_pages [--dtype bfloat16] [--batch 26] [--ctx 350]

@@ -17,7 +17,7 @@ rate, ``prefetch_lines_per_k``, is the ``panels`` column): the figures behind th
 
 The variants alternate pass by pass, so noise from other work hits both alike. Prints
 the median pass time of each, GFLOP/s and the ratio; writes a markdown report to
-``benchmarks/results/panel_linear_<date>_<dtype>.md`` with the command, date, revision,
+``benchmarks/results/panel_linear_<date>_<dtype>_<host kind>.md`` with the command, date, revision,
 machine and load.
 
     python -m benchmarks.panel_linear [--dtype float32] [--rows 1 8 26 64] [--reps 15]

@@ -16,8 +16,8 @@ is on huge pages with shuffled block ids, as a running server's is.
 
 Both run through the start-up route timer's probe (``engine.layers.attention.prefill_probe``).
 
-Prints and writes (``benchmarks/results/prefill_attention_<date>.md``) the median time of
-each, its GFLOP/s (causal: only the attended pairs count) and the ratio, with the max
+Prints and writes (``benchmarks/results/prefill_attention_<date>_<host kind>.md``) the
+median time of each, its GFLOP/s (causal: only the attended pairs count) and the ratio, with the max
 difference between the two outputs.
 
     python -m benchmarks.prefill_attention [--dtypes bfloat16,float32] [--reps 9]

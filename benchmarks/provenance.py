@@ -142,9 +142,11 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def publish(report: str, name: str, suffix: str = "", out: Path | None = None) -> Path:
     """Print a small benchmark's markdown ``report`` and write it to ``out`` (default
-    ``benchmarks/results/<name>_<today><suffix>.md``); returns the path."""
+    ``benchmarks/results/<name>_<today><suffix>_<host kind>.md``: runs on hosts of other
+    kinds the same day keep their own files); returns the path."""
     print(report)
-    path = out or RESULTS / f"{name}_{dt.date.today()}{suffix}.md"
+    slug = host_slug(host_kind(isa_flags()))
+    path = out or RESULTS / f"{name}_{dt.date.today()}{suffix}_{slug}.md"
     path.write_text(report)
     print(f"wrote {path}")
     return path
