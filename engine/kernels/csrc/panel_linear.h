@@ -137,10 +137,11 @@ inline void panel_tile(const float* x, int64_t xs, const W* panel, int64_t K, co
 // The passes after the first read the panel from L2.
 //
 // One line of the next panel a k, whatever the rows and dtype: each pass runs K k's, and
-// faster prefetching competes with the stream the pass reads. Over SmolLM2-135M's 121
-// weights on an AMD EPYC without AVX-512 (python -m benchmarks.panel_linear --prefetch):
-// a bf16 pass at 1 row 10.5 ms at one line a k, 13.0 at four (the AVX-512 tile's rate),
-// 11.6 with none; 16 rows 32.0 ms against 35.4 at two; fp32 1 row 18.6 against 22.3.
+// faster prefetching competes with the stream the pass reads. A pass over SmolLM2-135M's
+// 120 decoder weights on an AMD EPYC without AVX-512 (benchmarks/results/
+// panel_linear_2026-12-06_{bfloat16,float32}_avx2.md, --prefetch 0,1,2,4): bf16 at 1 row
+// 7.7 ms at one line a k, 10.0 at four (the AVX-512 tile's rate up to 6 rows), 8.4 with
+// none; at 16 rows 27.3 against 30.5 at two; fp32 at 4 rows 18.6 against 28.9 at four.
 inline int prefetch_lines_per_k(int64_t) { return 1; }
 
 template <int MR, int NV, typename W>
