@@ -31,7 +31,8 @@ from typing import Any
 
 from benchmarks import common
 from benchmarks.plotting import draw_or_explain
-from gateway.launcher import ClusterSpec, LocalCluster
+from gateway.core_plan import WorkerCores
+from gateway.launcher import ClusterSpec, LocalCluster, LocalProcess
 
 logger = logging.getLogger(__name__)
 
@@ -57,11 +58,19 @@ class TimelineCluster(LocalCluster):
         super().__init__(spec)
         self._files = files
 
-    def _spawn(self, kind: str, index: int, argv: list[str], port: int = 0, cores=None):  # noqa: ANN001, ANN202
+    def _spawn(
+        self,
+        kind: str,
+        index: int,
+        argv: list[str],
+        port: int = 0,
+        cores: WorkerCores | None = None,
+        lending: Path | None = None,
+    ) -> LocalProcess:
         extra = ["--timeline-file", str(self._files[kind])] if kind in self._files else []
         if kind == "decode":  # its own shm segment name (the default one is shared)
             extra += ["--transport-address", f"baton-tl-{uuid.uuid4().hex[:16]}"]
-        return super()._spawn(kind, index, [*argv, *extra], port, cores=cores)
+        return super()._spawn(kind, index, [*argv, *extra], port, cores=cores, lending=lending)
 
 
 def run_w1(model: str, limit: int, dtype: str, workdir: Path) -> tuple[list[Path], dict]:

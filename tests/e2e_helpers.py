@@ -24,7 +24,8 @@ import grpc
 import grpc.aio
 import pytest
 
-from gateway.launcher import ClusterSpec, LocalCluster
+from gateway.core_plan import WorkerCores
+from gateway.launcher import ClusterSpec, LocalCluster, LocalProcess
 from protos.baton.v1 import common_pb2, generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 T = TypeVar("T")
@@ -56,11 +57,19 @@ class E2ECluster(LocalCluster):
         self._extra = {"prefill": tuple(prefill_args), "decode": tuple(decode_args)}
         self._argv: dict[int, tuple[int, list[str]]] = {}
 
-    def _spawn(self, kind: str, index: int, argv: list[str], port: int = 0, cores=None):  # noqa: ANN001, ANN202
+    def _spawn(
+        self,
+        kind: str,
+        index: int,
+        argv: list[str],
+        port: int = 0,
+        cores: WorkerCores | None = None,
+        lending: Path | None = None,
+    ) -> LocalProcess:
         extra = list(self._extra.get(kind, ()))
         if kind == "decode" and self.spec.mode == "disaggregated" and self._uses_shm(argv):
             extra += ["--transport-address", f"baton-e2e-{uuid.uuid4().hex[:16]}"]
-        proc = super()._spawn(kind, index, [*argv, *extra], port, cores=cores)
+        proc = super()._spawn(kind, index, [*argv, *extra], port, cores=cores, lending=lending)
         self._argv[id(proc)] = (index, list(argv))
         return proc
 
