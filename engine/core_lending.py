@@ -41,9 +41,11 @@ logger = logging.getLogger(__name__)
 
 SHARE_SUFFIX = ".share"
 # How long an owner waits for its share before computing beside the borrower anyway:
-# far past any one forward (a step is bounded by its token budget), so only a borrower
-# that hangs without dying (a dead one drops its locks) makes the owner wait this long.
-RECLAIM_WAIT_S = 5.0
+# past a forward of any step a small model's token budget allows on a slow host, so it
+# is mostly a borrower that hangs without dying (SIGSTOP; a dead one drops its locks)
+# that makes the owner wait this long, once: it then takes its share only when free,
+# without waiting, until it gets it back.
+RECLAIM_WAIT_S = 1.0
 _POLL_S = 0.0005
 
 
@@ -151,7 +153,7 @@ class CoreLending:
         ]
         self.waited_s = 0.0  # time spent waiting for the own share to come back
         self.borrowed_forwards = 0  # forwards that ran on a team wider than home
-        # The own share was not given back in time: until this worker is idle again it
+        # The own share was not given back in time: until it gets it back, this worker
         # takes it only if free, rather than wait at every forward.
         self._gave_up = False
 
@@ -162,7 +164,9 @@ class CoreLending:
             own = self._own
             if own is not None and not own.held:
                 own.ask(True)
-                if not (own.try_lock() or self._gave_up):
+                if own.try_lock():
+                    self._gave_up = False
+                elif not self._gave_up:
                     self._reclaim(own)
             if not self.borrow:
                 return self.home
@@ -188,7 +192,6 @@ class CoreLending:
             if self._own is not None:
                 self._own.ask(False)
                 self._own.unlock()
-            self._gave_up = False
 
     def close(self) -> None:
         with self._lock:

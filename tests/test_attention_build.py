@@ -105,6 +105,7 @@ class _PlainRunner:
         _PlainRunner.built.append(cfg.device)
         self.num_steps = 0
         self.busy_seconds = 0.0
+        self.lending = None  # no cores lent on a GPU (engine.core_lending)
 
 
 @pytest.fixture

@@ -101,13 +101,19 @@ def test_a_dead_borrowers_share_comes_back_with_its_file_descriptors(shares: Pat
 def test_a_hung_borrower_costs_the_owner_one_bounded_wait(shares: Path) -> None:
     prefill = CoreLending(shares, P, 1, reclaim_wait_s=0.2)
     decode = CoreLending(shares, D, 1)
-    decode.team()  # borrows, then never steps again
+    decode.team()  # borrows, then never steps again (SIGSTOP)
     t0 = time.monotonic()
     assert prefill.team() == Team(P, 1)
     first = time.monotonic() - t0
     t0 = time.monotonic()
     prefill.team()
+    prefill.idle()  # idle and busy again: still no second wait
+    prefill.team()
     assert 0.2 <= first < 2 and time.monotonic() - t0 < 0.1
+    decode.team()  # it runs again: sees the owner's ask, gives the share back
+    t0 = time.monotonic()
+    assert prefill.team() == Team(P, 1)
+    assert not prefill._gave_up and time.monotonic() - t0 < 0.1
     prefill.close()
     decode.close()
 
