@@ -12,8 +12,9 @@ it has work, and borrows the share of any worker that has none: it takes that fi
 lock without waiting, widens its affinity mask and its compute team by the share, and
 gives it back at the start of its next forward once the owner asks for it (byte 0 of the
 file), or as soon as it has no work itself. An owner that wakes up asks, then waits for
-its lock: at most one forward of the borrower, which a step's token budget bounds. The
-locks keep the rule of the plan: no more compute threads at work than cores. Waiting
+its lock: at most one forward of the borrower, which a step's token budget bounds, and
+at most ``RECLAIM_WAIT_S``. The locks keep the rule of the plan: no more compute threads
+at work than cores (but for the rest of a forward past that bound). Waiting
 for one's own lock happens only while holding no other, so two workers never wait on
 each other; a worker that dies drops its locks with its file descriptors.
 
