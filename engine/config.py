@@ -182,10 +182,10 @@ class EngineConfig:
     # same bits alone or in any batch, in one process or split (CPU only; one linear
     # kernel for every batch size, attention over the KV in fixed parts). Peers must agree.
     deterministic: bool = False
-    # CPU: the directory of core shares the launcher made for the workers it planned on
-    # one host (engine.core_lending): this worker lends its share while it has no work
+    # CPU: this worker's seat in the core shares the launcher made for the workers it
+    # planned on one host (engine.core_lending): it lends its share while it has no work
     # and borrows its neighbours' idle shares; "": its team stays as it started.
-    core_shares: str = ""
+    core_seat: str = ""
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:

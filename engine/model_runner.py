@@ -32,7 +32,7 @@ import torch
 
 from engine.compute_thread import ComputeThread
 from engine.config import EngineConfig, ModelConfig
-from engine.core_lending import CoreLending, Team
+from engine.core_lending import CoreLending, Team, parse_seat
 from engine.cpu_budget import pin_process
 from engine.device import build_on, resolve_device
 from engine.forward_context import AttentionMetadata, ForwardContext, PrefillSeq, forward_context
@@ -118,10 +118,11 @@ class ModelRunner:
         self.compute = ComputeThread(cfg.num_threads)
         # Cores borrowed from, and lent to, workers on the same host (engine.core_lending).
         self.lending: CoreLending | None = None
-        if cfg.core_shares and self.device.type == "cpu":
-            home = Team(frozenset(os.sched_getaffinity(0)), self.compute.num_threads())
+        if cfg.core_seat and self.device.type == "cpu":
+            directory, cpus, seat = parse_seat(Path(cfg.core_seat))
+            home = Team(cpus, self.compute.num_threads())
             self.lending = CoreLending(
-                Path(cfg.core_shares), home.cpus, home.threads, borrow=not cfg.deterministic
+                directory, cpus, home.threads, seat=seat, borrow=not cfg.deterministic
             )
             # The mask and team now in force (they change only when a share does).
             self._mask, self._threads = home.cpus, home.threads

@@ -11,9 +11,13 @@ SMT siblings (two CPUs of one physical core) stay in one worker's set when there
 least as many physical cores as workers: a worker whose threads ran on the other halves
 of its neighbour's cores would contend with it for every execution unit.
 
-With more workers than cores no split can keep the teams apart: every worker then gets
-a team of one thread on all the CPUs, and the kernel's scheduler balances the workers,
-rather than pinning two busy ones on one core while another core idles.
+With more workers than cores no split can keep the teams apart. Where the workers lend
+each other idle cores (``engine.core_lending``), the cores are split as for one worker
+each and the workers take turns on them, decode first, each with a team of one thread:
+co-owners of a share that are busy together move to an idle share if there is one.
+Otherwise every worker gets a team of one thread on all the CPUs, and the kernel's
+scheduler balances the workers, rather than pinning two busy ones on one core while
+another core idles.
 
 Pure: the caller reads the budget (``engine.cpu_budget``) and starts the processes.
 """
@@ -42,6 +46,7 @@ def plan_cores(
     kinds: Sequence[str],
     cores: int | None = None,
     siblings: Sequence[frozenset[int]] | None = None,
+    co_own: bool = False,
 ) -> list[WorkerCores]:
     """One :class:`WorkerCores` per entry of ``kinds`` (prefill | decode | both), in order.
 
@@ -51,7 +56,8 @@ def plan_cores(
     worker gets a disjoint slice of whole physical cores (of single CPUs when workers
     outnumber physical cores) and ``threads`` = its share of ``cores``, at most its CPUs,
     so the threads sum to at most ``cores``; with more workers than cores, every worker
-    gets all of ``cpus`` and one thread.
+    gets all of ``cpus`` and one thread, or (``co_own``) one of ``cores`` shares, which
+    the workers own in turn (decode first, then in worker order).
     """
     ordered = sorted(cpus)
     if not ordered:
@@ -66,6 +72,13 @@ def plan_cores(
     n = len(kinds)
     if n == 0:
         return []
+    if n > cores and co_own:
+        shares = plan_cores(frozenset(ordered), ["both"] * cores, cores, siblings)
+        order = sorted(range(n), key=lambda i: (_SPARE_CORE_ORDER.index(kinds[i]), i))
+        owned: list[WorkerCores] = [shares[0]] * n
+        for turn, i in enumerate(order):
+            owned[i] = shares[turn % cores]
+        return owned
     if n > cores:
         return [WorkerCores(frozenset(ordered), 1) for _ in kinds]
     units = [frozenset(g) & frozenset(ordered) for g in (siblings or ())]

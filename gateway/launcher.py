@@ -42,7 +42,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.core_lending import close_shares, create_share
+from engine.core_lending import close_shares, create_share, seat_path
 from engine.cpu_budget import format_cpu_list, physical_cores, read_cpu_budget
 from gateway.core_plan import WorkerCores, plan_cores
 
@@ -79,7 +79,8 @@ class ClusterSpec:
     core_plan: bool = True
     # With the plan, workers lend their share while they have no work and borrow idle
     # neighbours' (engine.core_lending): a decode worker beside an idle prefill worker
-    # computes on both shares. Off: each worker keeps to its share.
+    # computes on both shares; more workers than cores own the cores in turn. Off: each
+    # worker keeps to its share (with more workers than cores: all of them, one thread).
     core_lending: bool = True
     gateway_port: int = 0  # 0: any free port
     http_port: int | None = None  # the gateway's OpenAI-compatible HTTP; None: off, 0: any
@@ -177,10 +178,11 @@ class LocalCluster:
         if s.mode == "disaggregated":
             kinds = ["prefill"] * s.num_prefill + kinds
         shares = self.plan(kinds)
-        self.core_shares = lending = self._lending_dir(shares)
+        seats = self._lending_seats(shares)
+        self.core_shares = self._shares_dir if any(seats) else None
         workers = [
-            self._spawn(k, self._next_index(k), self.worker_argv(k), cores=c, lending=lending)
-            for k, c in zip(kinds, shares, strict=True)
+            self._spawn(k, self._next_index(k), self.worker_argv(k), cores=c, lending=seat)
+            for k, c, seat in zip(kinds, shares, seats, strict=True)
         ]
         deadline = time.monotonic() + s.start_timeout_s
         for proc in workers:
@@ -325,7 +327,9 @@ class LocalCluster:
                 continue
             cores = budget.cores if cpus == rest else None
             members_kinds = [role or kinds[i] for i in members]
-            planned = plan_cores(cpus, members_kinds, cores, physical_cores(cpus))
+            planned = plan_cores(
+                cpus, members_kinds, cores, physical_cores(cpus), co_own=s.core_lending
+            )
             for i, share in zip(members, planned, strict=True):
                 out[i] = share
         return out
@@ -334,18 +338,27 @@ class LocalCluster:
     def _shares_dir(self) -> Path:
         return self.workdir / "core-shares"
 
-    def _lending_dir(self, shares: list[WorkerCores | None]) -> Path | None:
-        """The core shares of workers planned on disjoint CPUs (``engine.core_lending``),
-        made for them to lend each other; None where nothing can be lent."""
+    def _lending_seats(self, shares: list[WorkerCores | None]) -> list[Path | None]:
+        """Each worker's seat in the core shares it owns (``engine.core_lending``), made
+        for the workers to lend each other idle cores; None for all where nothing can be
+        lent (one worker, one left unplanned, shares that overlap in part)."""
+        none: list[Path | None] = [None] * len(shares)
         if not self.spec.core_lending or len(shares) < 2 or None in shares:
-            return None
-        planned = [c for c in shares if c is not None]
-        if sum(len(c.cpus) for c in planned) != len(frozenset().union(*(c.cpus for c in planned))):
-            return None  # more workers than cores: every one runs on all of them
+            return none
+        owners: dict[frozenset[int], list[int]] = {}
+        for i, c in enumerate(shares):
+            assert c is not None
+            owners.setdefault(c.cpus, []).append(i)
+        if len(owners) < 2 or sum(map(len, owners)) != len(frozenset().union(*owners)):
+            return none  # every worker on all the cores: nothing to lend
         self._shares_dir.mkdir(exist_ok=True)
-        for c in planned:
-            create_share(self._shares_dir, c.cpus, c.threads)
-        return self._shares_dir
+        seats = list(none)
+        for cpus, members in owners.items():
+            threads = shares[members[0]].threads  # type: ignore[union-attr]
+            create_share(self._shares_dir, cpus, threads, owners=len(members))
+            for seat, i in enumerate(members):
+                seats[i] = seat_path(self._shares_dir, cpus, seat)
+        return seats
 
     def host_of(self, kind: str) -> str:
         """The address a ``kind`` process serves on: loopback here; a test that puts
@@ -388,7 +401,7 @@ class LocalCluster:
                 format_cpu_list(cores.cpus),
                 "--num-threads",
                 str(cores.threads),
-                *(["--core-shares", str(lending)] if lending is not None else []),
+                *(["--core-seat", str(lending)] if lending is not None else []),
                 *argv[1:],
             ]
             env["OMP_NUM_THREADS"] = str(cores.threads)

@@ -195,8 +195,8 @@ class WorkerCollector(Collector):
         yield counter("baton_engine_steps_total", "Engine steps run.", s.num_steps)
         yield counter(
             "baton_cpu_borrowed_forwards_total",
-            "Forwards run on a compute team widened by the cores of idle workers beside "
-            "this one (--core-shares).",
+            "Forwards run on the cores of idle workers beside this one, with its own or "
+            "instead of them while a co-owner computes there (--core-seat).",
             s.borrowed_forwards,
         )
         yield counter(

@@ -299,7 +299,7 @@ _FIELDS: dict[str, tuple[Callable[[str], Any], str]] = {
     "timeline_file": (Path, "worker"),
     "cpus": (parse_cpu_list, "worker"),
     "cpu_limit": (_optional_float, "worker"),
-    "core_shares": (str, "engine"),
+    "core_seat": (str, "engine"),
 }
 
 _HELP = {
@@ -373,9 +373,9 @@ _HELP = {
     "timeline_file": "write a Chrome/Perfetto trace JSON of the engine loop and the transfer "
     "worker to this file on shutdown",
     "cpus": "pin this process to these CPUs at start (a cpu list: 0-3,8); default: as started",
-    "core_shares": "CPU: a directory of core shares (the launcher's, for the workers it "
-    "plans on one host): lend this worker's cores while it has no work, borrow idle "
-    "neighbours' while it has (never while --deterministic); default: none",
+    "core_seat": "CPU: this worker's seat file among the core shares the launcher makes "
+    "for the workers it plans on one host: lend this worker's cores while it has no work, "
+    "borrow idle neighbours' while it has (never while --deterministic); default: none",
     "cpu_limit": "cores this worker is granted (the chart passes the container's CPU "
     "request); --num-threads 0 then uses at most this many; 0: no bound beyond the affinity "
     "mask and cgroup quota",

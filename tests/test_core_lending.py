@@ -13,7 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from engine.core_lending import CoreLending, Team, close_shares, create_share
+from engine.core_lending import (
+    CoreLending,
+    Team,
+    close_shares,
+    create_share,
+    parse_seat,
+    seat_path,
+)
 from gateway.core_plan import WorkerCores
 from gateway.launcher import ClusterSpec, LocalCluster
 
@@ -90,7 +97,7 @@ def test_a_dead_borrowers_share_comes_back_with_its_file_descriptors(shares: Pat
         child.kill()
         child.wait()
         t0 = time.monotonic()
-        assert prefill.team() == Team(P, 1)
+        assert prefill.team() == Team(P | D, 2)  # its own back, and the dead one's idle
         assert time.monotonic() - t0 < 5
         prefill.close()
     finally:
@@ -170,24 +177,111 @@ def test_share_threads_come_from_the_plan(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("shares", "lends"),
+    ("shares", "files"),
     [
-        ([WorkerCores(P, 1), WorkerCores(D, 1)], True),
-        ([WorkerCores(P | D, 1), WorkerCores(P | D, 1), WorkerCores(P | D, 1)], False),
-        ([WorkerCores(P, 1)], False),
-        ([WorkerCores(P, 1), None], False),
+        ([WorkerCores(P, 1), WorkerCores(D, 1)], ["0.0.seat", "0.share", "1.0.seat", "1.share"]),
+        (
+            [WorkerCores(P, 1), WorkerCores(D, 1), WorkerCores(P, 1)],
+            ["0.0.seat", "0.1.seat", "0.share", "1.0.seat", "1.share"],
+        ),
+        ([WorkerCores(P | D, 1), WorkerCores(P | D, 1), WorkerCores(P | D, 1)], []),
+        ([WorkerCores(P | D, 1), WorkerCores(D, 1)], []),
+        ([WorkerCores(P, 1)], []),
+        ([WorkerCores(P, 1), None], []),
     ],
 )
-def test_the_launcher_makes_shares_only_for_disjoint_plans(
-    tmp_path: Path, shares: list[WorkerCores | None], lends: bool
+def test_the_launcher_makes_shares_only_where_the_plan_splits_the_cores(
+    tmp_path: Path, shares: list[WorkerCores | None], files: list[str]
 ) -> None:
     cluster = LocalCluster(ClusterSpec(), workdir=tmp_path)
-    made = cluster._lending_dir(shares)
-    assert (made is not None) == lends
-    if made is not None:
-        assert sorted(p.name for p in made.iterdir()) == ["0.share", "1.share"]
+    seats = cluster._lending_seats(shares)
+    if not files:
+        assert seats == [None] * len(shares) and not cluster._shares_dir.exists()
+        return
+    made = cluster._shares_dir
+    assert sorted(p.name for p in made.iterdir()) == files
+    # Each worker sits on its own seat of the share it was planned on.
+    assert len(set(seats)) == len(seats)
+    for seat, share in zip(seats, shares, strict=True):
+        assert seat is not None and share is not None
+        assert parse_seat(seat)[:2] == (made, share.cpus)
     off = LocalCluster(ClusterSpec(core_lending=False), workdir=tmp_path / "off")
-    assert off._lending_dir([WorkerCores(P, 1), WorkerCores(D, 1)]) is None
+    assert off._lending_seats([WorkerCores(P, 1), WorkerCores(D, 1)]) == [None, None]
+
+
+def test_a_seat_names_its_share_and_number(tmp_path: Path) -> None:
+    assert parse_seat(tmp_path / "0-3,8.2.seat") == (tmp_path, frozenset({0, 1, 2, 3, 8}), 2)
+    for bad in ("0-3.seat", "0-3.x.seat", "0.1.share"):
+        with pytest.raises(ValueError, match="core seat"):
+            parse_seat(tmp_path / bad)
+
+
+@pytest.fixture
+def co_owned(tmp_path: Path) -> Path:
+    """Three workers on two cores: two own P, one owns D."""
+    create_share(tmp_path, P, 1, owners=2)
+    create_share(tmp_path, D, 1)
+    return tmp_path
+
+
+def test_busy_co_owners_split_up_over_an_idle_share(co_owned: Path) -> None:
+    a = CoreLending(co_owned, P, 1, seat=0)
+    b = CoreLending(co_owned, P, 1, seat=1)
+    assert a.team() == Team(P | D, 2)  # alone at home, D's owner idle: both cores
+    assert b.team() == Team(P, 1)  # a co-owner computes here, and D is a's for now
+    assert a.team() == Team(D, 1)  # it moves off the crowded share rather than crowd it
+    assert b.team() == Team(P, 1)
+    b.idle()
+    assert a.team() == Team(P | D, 2)  # alone again: home and D
+    for w in (a, b):
+        w.close()
+
+
+def test_a_co_owner_is_never_waited_for_and_the_owner_of_a_borrowed_share_is(
+    co_owned: Path,
+) -> None:
+    a = CoreLending(co_owned, P, 1, seat=0)
+    b = CoreLending(co_owned, P, 1, seat=1)
+    d = CoreLending(co_owned, D, 1)
+    assert a.team() == Team(P | D, 2)
+    t0 = time.monotonic()
+    assert b.team() == Team(P, 1)  # shares its home with a at once
+    assert time.monotonic() - t0 < 0.1 and b.waited_s < 0.1
+    got: list[Team] = []
+    waiter = threading.Thread(target=lambda: got.append(d.team()))
+    waiter.start()
+    time.sleep(0.1)
+    assert waiter.is_alive(), "D's owner computed while a held its share"
+    assert a.team() == Team(P, 1)  # D's owner is busy: a gives D back, stays home
+    waiter.join(5)
+    assert got == [Team(D, 1)]
+    d.idle()
+    b.idle()
+    assert a.team() == Team(P | D, 2)
+    for w in (a, b, d):
+        w.close()
+
+
+def test_a_dead_co_owner_does_not_crowd_its_share(co_owned: Path) -> None:
+    code = (
+        "import sys, time; from pathlib import Path; from engine.core_lending import "
+        "CoreLending; c = CoreLending(Path(sys.argv[1]), frozenset({0}), 1, seat=1); "
+        "print(c.team().threads, flush=True); time.sleep(60)"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code, str(co_owned)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "2"
+        a = CoreLending(co_owned, P, 1, seat=0)
+        assert a.team() == Team(P, 1)  # the child computes on P and holds D
+        child.kill()
+        child.wait()
+        assert a.team() == Team(P | D, 2)
+        a.close()
+    finally:
+        child.kill()
+        child.wait()
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to lend one")
@@ -199,6 +293,7 @@ def test_a_runner_widens_its_team_and_mask_while_its_neighbour_is_idle(
     a, b = sorted(os.sched_getaffinity(0))[:2]
     create_share(tmp_path, frozenset({a}), 1)
     create_share(tmp_path, frozenset({b}), 1)
+    seat = str(seat_path(tmp_path, frozenset({a}), 0))
     code = f"""
 import os, torch
 from pathlib import Path
@@ -206,7 +301,7 @@ os.sched_setaffinity(0, {{{a}}})
 from engine.core_lending import CoreLending
 from engine.sampling_params import SamplingParams
 from tests.engine_helpers import make_core
-core = make_core({str(tiny_llama)!r}, num_threads=1, core_shares={str(tmp_path)!r})
+core = make_core({str(tiny_llama)!r}, num_threads=1, core_seat={seat!r})
 def seen():
     return core.runner.compute.call(
         lambda: (torch.get_num_threads(), sorted(os.sched_getaffinity(0))))

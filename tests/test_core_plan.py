@@ -57,6 +57,19 @@ def test_more_workers_than_cores_share_all_cpus_one_thread_each() -> None:
     assert plan == [WorkerCores(frozenset({0, 1}), 1)] * 4
 
 
+def test_with_lending_more_workers_than_cores_own_the_cores_in_turn_decode_first() -> None:
+    one, two = WorkerCores(frozenset({0}), 1), WorkerCores(frozenset({1}), 1)
+    kinds = ["prefill", "prefill", "decode", "decode"]
+    assert plan_cores({0, 1}, kinds, co_own=True) == [one, two, one, two]
+    assert plan_cores({0, 1}, ["prefill", "decode", "decode"], co_own=True) == [one, one, two]
+    # A quota of 3 cores over 8 CPUs: 3 shares, one thread each, owned in turn.
+    plan = plan_cores(set(range(8)), ["prefill"] * 4, cores=3, co_own=True)
+    assert plan[0] == plan[3] and len(set(plan)) == 3
+    check_disjoint_and_within(list(set(plan)), set(range(8)), 3)
+    # As many workers as cores: co-owning changes nothing.
+    assert plan_cores({0, 1}, ["prefill", "decode"], co_own=True) == [one, two]
+
+
 def test_a_quota_below_the_mask_bounds_the_threads_not_the_sets() -> None:
     # 8 CPUs visible, a quota of 3 cores: disjoint sets over all 8, 3 threads in all.
     plan = plan_cores(set(range(8)), ["prefill", "decode"], cores=3)
@@ -96,6 +109,23 @@ def test_launcher_plans_over_its_own_mask_by_default() -> None:
         check_disjoint_and_within(plan, set(mask()), len(mask()))  # type: ignore[arg-type]
     else:
         assert all(s.threads == 1 for s in plan)  # type: ignore[union-attr]
+
+
+def test_launcher_co_owns_the_cores_only_where_workers_lend_them() -> None:
+    cpu = min(mask())
+    kinds = ["prefill", "decode", "decode"]
+    lend = ClusterSpec(num_decode=2, cpus={k: frozenset({cpu, cpu + 1}) for k in kinds})
+    keep = ClusterSpec(num_decode=2, cpus=lend.cpus, core_lending=False)
+    plans = []
+    for spec in (lend, keep):
+        cluster = LocalCluster(spec)
+        try:
+            plans.append(cluster.plan(kinds))
+        finally:
+            cluster.stop()
+    one, two = WorkerCores(frozenset({cpu}), 1), WorkerCores(frozenset({cpu + 1}), 1)
+    assert plans[0] == [one, one, two]
+    assert plans[1] == [WorkerCores(frozenset({cpu, cpu + 1}), 1)] * 3
 
 
 def test_launcher_plan_off_leaves_workers_alone_but_keeps_named_sets() -> None:

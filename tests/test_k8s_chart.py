@@ -568,7 +568,7 @@ def test_schema_allows_exactly_the_flags_the_chart_leaves_to_values() -> None:
         "timelineFile",
         "cpuLimit",  # the container's CPU request, through the downward API
         "cpus",  # the local launcher's core plan; a pod's CPUs are the kubelet's to set
-        "coreShares",  # the local launcher's core lending, between processes of one host
+        "coreSeat",  # the local launcher's core lending, between processes of one host
     }
     assert allowed["gateway"] | gateway_by_chart == _flags(gateway_parser())
     assert not allowed["gateway"] & gateway_by_chart

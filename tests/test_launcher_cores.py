@@ -101,3 +101,49 @@ def test_a_decode_worker_borrows_the_idle_prefill_workers_core(tiny_llama: Path)
 
 
 WORKERS = ("prefill", "decode")
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to share")
+def test_more_workers_than_cores_own_them_in_turn_and_borrow_idle_ones(tiny_llama: Path) -> None:
+    """2 prefill + 2 decode workers on two CPUs: each pinned to one CPU it owns with a
+    worker of the other role; a stream's decode worker, its neighbours idle, computes on
+    both CPUs, and every worker is back on its own once idle."""
+    a, b = sorted(os.sched_getaffinity(0))[:2]
+    spec = ClusterSpec(
+        model=str(tiny_llama),
+        dtype="float32",
+        num_prefill=2,
+        num_decode=2,
+        cpus={k: frozenset({a, b}) for k in WORKERS},
+        start_timeout_s=180.0,
+        log_level="INFO",
+        metrics=True,
+    )
+    with LocalCluster(spec) as cluster:
+        assert cluster.core_shares is not None
+        workers = [p for p in cluster.procs if p.kind != "gateway"]
+        for cpu in (a, b):
+            owners = sorted(p.kind for p in workers if p.cores and p.cores.cpus == {cpu})
+            assert owners == ["decode", "prefill"], [(p.kind, p.cores) for p in workers]
+
+        async def one() -> None:
+            async with gateway_stub(cluster.gateway_address) as stub:
+                outcome = await generate(stub, ids_request(24, "co-own", max_tokens=32))
+            assert_completed(outcome, 32, cluster.logs())
+
+        asyncio.run(one())
+        decoders = [p for p in workers if p.kind == "decode"]
+        for _ in range(100):
+            seen = [scrape(p) for p in decoders]
+            if max(s["baton_engine_steps_total"] for s in seen) >= 31:
+                break
+            time.sleep(0.05)
+        stepped = max(seen, key=lambda s: s["baton_engine_steps_total"])
+        assert stepped["baton_cpu_borrowed_forwards_total"] >= 16, seen
+        for proc in workers:
+            assert proc.cores is not None
+            for _ in range(40):
+                if thread_masks(proc.popen.pid) == {proc.cores.cpus}:
+                    break
+                time.sleep(0.05)
+            assert thread_masks(proc.popen.pid) == {proc.cores.cpus}, proc.kind
