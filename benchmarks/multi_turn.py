@@ -62,7 +62,7 @@ import time
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from benchmarks import multi_turn_driver as driver
 from benchmarks import multi_turn_report, provenance
@@ -70,6 +70,9 @@ from benchmarks import multi_turn_workload as workload
 from benchmarks.machine_load import LoadWatch
 from benchmarks.openai_load import percentile, summarize
 from benchmarks.peers import vllm_cpu
+
+if TYPE_CHECKING:
+    from gateway.launcher import ClusterSpec
 
 logger = logging.getLogger(__name__)
 
@@ -174,10 +177,12 @@ def gateway_phases(log: Path, prefix: str) -> dict[str, dict[str, float]]:
     return out
 
 
-def run_baton(name: str, opts: argparse.Namespace, convs: list, workdir: Path) -> dict[str, Any]:
-    from gateway.launcher import ClusterSpec, LocalCluster
+def baton_spec(name: str, opts: argparse.Namespace) -> ClusterSpec:
+    """The deployment ``name``: 2 prefill + 2 decode workers as ``baton serve`` starts
+    them, with the leg's gateway flags and core lending."""
+    from gateway.launcher import ClusterSpec
 
-    spec = ClusterSpec(
+    return ClusterSpec(
         model=str(opts.model_dir),
         num_prefill=2,
         num_decode=2,
@@ -195,8 +200,13 @@ def run_baton(name: str, opts: argparse.Namespace, convs: list, workdir: Path) -
         log_level="INFO",  # the gateway's finish lines carry each request's phases
         start_timeout_s=opts.start_timeout_s,
     )
+
+
+def run_baton(name: str, opts: argparse.Namespace, convs: list, workdir: Path) -> dict[str, Any]:
+    from gateway.launcher import LocalCluster
+
     workdir.mkdir(parents=True)  # the processes' logs stay there after the run
-    with LocalCluster(spec, workdir) as cluster:
+    with LocalCluster(baton_spec(name, opts), workdir) as cluster:
         model = _served_model(cluster.http_address)
 
         def scrape() -> dict:

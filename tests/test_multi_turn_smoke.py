@@ -73,3 +73,13 @@ def test_verdict_needs_double_the_tail_at_equal_throughput() -> None:
     assert "**missed** (by 1.60x)" in multi_turn_report.verdict(s)
     s["kv+cond"] = _leg(400, 80)  # faster first tokens bought with throughput: no verdict
     assert "**not judged** (throughputs differ)" in multi_turn_report.verdict(s)
+
+
+def test_the_no_lending_leg_differs_from_kv_cond_only_by_core_lending() -> None:
+    opts = multi_turn._parser().parse_args(["--deployments", "kv+cond,kv+cond-nolend"])
+    opts.model_dir = Path("unused")
+    lend, keep = (multi_turn.baton_spec(n, opts) for n in ("kv+cond", "kv+cond-nolend"))
+    assert lend.core_lending and not keep.core_lending
+    assert lend.gateway_args == keep.gateway_args
+    assert (lend.num_prefill, lend.num_decode) == (keep.num_prefill, keep.num_decode) == (2, 2)
+    assert "kv+cond-nolend" not in multi_turn.DEFAULT_DEPLOYMENTS
