@@ -4,11 +4,13 @@ for the locks as two processes do."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -82,17 +84,28 @@ def test_an_idle_borrower_gives_back_at_once(shares: Path) -> None:
     decode.close()
 
 
-def test_a_dead_borrowers_share_comes_back_with_its_file_descriptors(shares: Path) -> None:
+@contextlib.contextmanager
+def busy_worker(directory: Path, cpus: int, seat: int = 0) -> Iterator[subprocess.Popen]:
+    """Another process that owns ``{cpus}`` (on ``seat``) and asked for one team of two
+    threads, then stays busy; killed on exit."""
     code = (
         "import sys, time; from pathlib import Path; from engine.core_lending import "
-        "CoreLending; c = CoreLending(Path(sys.argv[1]), frozenset({1}), 1); "
+        f"CoreLending; c = CoreLending(Path(sys.argv[1]), frozenset({{{cpus}}}), 1, seat={seat}); "
         "print(c.team().threads, flush=True); time.sleep(60)"
     )
     child = subprocess.Popen(
-        [sys.executable, "-c", code, str(shares)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", code, str(directory)], stdout=subprocess.PIPE, text=True
     )
     try:
         assert child.stdout is not None and child.stdout.readline().strip() == "2"
+        yield child
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_dead_borrowers_share_comes_back_with_its_file_descriptors(shares: Path) -> None:
+    with busy_worker(shares, 1) as child:
         prefill = CoreLending(shares, P, 1, reclaim_wait_s=30)
         child.kill()
         child.wait()
@@ -100,9 +113,6 @@ def test_a_dead_borrowers_share_comes_back_with_its_file_descriptors(shares: Pat
         assert prefill.team() == Team(P | D, 2)  # its own back, and the dead one's idle
         assert time.monotonic() - t0 < 5
         prefill.close()
-    finally:
-        child.kill()
-        child.wait()
 
 
 def test_a_hung_borrower_costs_the_owner_one_bounded_wait(shares: Path) -> None:
@@ -263,25 +273,13 @@ def test_a_co_owner_is_never_waited_for_and_the_owner_of_a_borrowed_share_is(
 
 
 def test_a_dead_co_owner_does_not_crowd_its_share(co_owned: Path) -> None:
-    code = (
-        "import sys, time; from pathlib import Path; from engine.core_lending import "
-        "CoreLending; c = CoreLending(Path(sys.argv[1]), frozenset({0}), 1, seat=1); "
-        "print(c.team().threads, flush=True); time.sleep(60)"
-    )
-    child = subprocess.Popen(
-        [sys.executable, "-c", code, str(co_owned)], stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert child.stdout is not None and child.stdout.readline().strip() == "2"
+    with busy_worker(co_owned, 0, seat=1) as child:
         a = CoreLending(co_owned, P, 1, seat=0)
         assert a.team() == Team(P, 1)  # the child computes on P and holds D
         child.kill()
         child.wait()
         assert a.team() == Team(P | D, 2)
         a.close()
-    finally:
-        child.kill()
-        child.wait()
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to lend one")
