@@ -18,8 +18,9 @@ would otherwise take the CPU time the gateway needs to answer calls, refusals in
 
 The workers share the host's cores by a plan (``gateway.core_plan``, on by default:
 ``ClusterSpec.core_plan``): each gets a disjoint set of CPUs and a compute team as wide
-as it, passed on its command line (``--cpus``, ``--num-threads``); the worker pins itself
-in its ``__main__`` (``rpc.worker_cpus``). A worker added later
+as it (with more workers than cores and core lending on: a core it owns with others, one
+thread), passed on its command line (``--cpus``, ``--num-threads``, ``--core-seat``); the
+worker pins itself in its ``__main__`` (``rpc.worker_cpus``). A worker added later
 (:meth:`LocalCluster.add_worker`) gets its share of a plan made again over every running
 worker and itself; the running ones keep theirs until they restart.
 """
