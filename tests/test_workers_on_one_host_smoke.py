@@ -45,8 +45,9 @@ def test_runs_plan_on_and_off_and_writes_the_table(tiny_llama: Path, tmp_path: P
     raw = json.loads(md.with_suffix(".json").read_text())
     on, off = raw["results"]
     assert (on["core_plan"], off["core_plan"]) == ("on", "off")
-    # Three workers on a CI host of 2 cores all run on every CPU: nothing to lend.
-    assert on["lending"] == (len(os.sched_getaffinity(0)) >= 3) and not off["lending"]
+    # Three workers on a CI host of 2 cores own the cores in turn and lend them; on one
+    # CPU there is nothing to lend.
+    assert on["lending"] == (len(os.sched_getaffinity(0)) >= 2) and not off["lending"]
     assert [w["kind"] for w in on["workers"]] == ["prefill", "decode", "decode"]
     # Plan on: every worker has CPUs and a team; off: none (each sizes from the host).
     assert all(w["cpus"] and w["threads"] >= 1 for w in on["workers"])
