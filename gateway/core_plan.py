@@ -75,10 +75,8 @@ def plan_cores(
     if n > cores and co_own:
         shares = plan_cores(frozenset(ordered), ["both"] * cores, cores, siblings)
         order = sorted(range(n), key=lambda i: (_SPARE_CORE_ORDER.index(kinds[i]), i))
-        owned: list[WorkerCores] = [shares[0]] * n
-        for turn, i in enumerate(order):
-            owned[i] = shares[turn % cores]
-        return owned
+        turn = {i: t for t, i in enumerate(order)}
+        return [shares[turn[i] % cores] for i in range(n)]
     if n > cores:
         return [WorkerCores(frozenset(ordered), 1) for _ in kinds]
     units = [frozenset(g) & frozenset(ordered) for g in (siblings or ())]
