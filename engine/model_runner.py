@@ -160,7 +160,7 @@ class ModelRunner:
     ) -> tuple[LlamaForCausalLM, torch.Tensor, Sampler]:
         """Model, KV pool and sampler, built on the compute thread."""
         torch.manual_seed(self.cfg.seed)
-        with build_on(self.device, self.dtype):
+        with build_on(self.device, self.dtype, random_init=False):
             model = LlamaForCausalLM(self.model_cfg)
         model.load_weights(iter_safetensors(checkpoint, show_progress=show_progress))
         # Parameters already are in dtype; this casts the fp32 rope tables, as HF does.

@@ -116,6 +116,22 @@ def test_build_on_allocates_parameters_in_the_target_dtype() -> None:
     assert torch.zeros(1).dtype == torch.float32  # nothing leaks past the block
 
 
+def test_build_on_without_random_init_draws_no_random_numbers() -> None:
+    """The random fills are skipped (the RNG is untouched), and only those: the
+    parameters still come in the target dtype, and deterministic fills still run."""
+    state = torch.get_rng_state()
+    with build_on(torch.device("cpu"), torch.bfloat16, random_init=False):
+        linear = nn.Linear(64, 32)
+        embedding = nn.Embedding(16, 8)
+        ones = nn.Parameter(torch.ones(3))
+    assert torch.equal(torch.get_rng_state(), state)
+    assert linear.weight.dtype == embedding.weight.dtype == torch.bfloat16
+    assert torch.equal(ones, torch.ones(3, dtype=torch.bfloat16))
+    with build_on(torch.device("cpu"), torch.bfloat16):
+        nn.Linear(64, 32)
+    assert not torch.equal(torch.get_rng_state(), state)
+
+
 def test_build_on_is_private_to_its_thread() -> None:
     seen: list[torch.dtype] = []
     inside = threading.Event()
