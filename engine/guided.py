@@ -25,7 +25,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import llguidance
-import llguidance.torch
 import torch
 
 from engine.compute_thread import serial_torch_here
@@ -33,6 +32,23 @@ from engine.grammar import GrammarCompiler
 from engine.request import Request
 
 logger = logging.getLogger(__name__)
+
+
+def _fill_masks(
+    executor: llguidance.LLExecutor,
+    matchers: list[tuple[llguidance.LLMatcher, int]],
+    bitmask: torch.Tensor,
+) -> None:
+    """Each (matcher, row): the matcher's next-token bitmask written into that row of
+    ``bitmask`` (int32 [rows, words], contiguous, CPU), in parallel without the GIL.
+
+    What ``llguidance.torch.fill_next_token_bitmask_par`` does; that module is not
+    imported because it compiles a ``torch.compile`` kernel at import, which loads
+    dynamo and inductor: ~5 s of every worker's start for a function we never call."""
+    assert bitmask.dtype == torch.int32 and bitmask.dim() == 2 and bitmask.is_contiguous()
+    assert bitmask.device.type == "cpu"
+    rows, words = bitmask.shape
+    executor.unsafe_compute_mask_ptr(matchers, bitmask.data_ptr(), words * 4, rows)
 
 
 @dataclass(slots=True)
@@ -117,7 +133,7 @@ class GuidedDecoding:
                 todo.append((track.matcher, j))
         if todo:
             assert self._executor is not None
-            llguidance.torch.fill_next_token_bitmask_par(self._executor, todo, bitmask)
+            _fill_masks(self._executor, todo, bitmask)
         allowed = _unpack(bitmask, self.vocab_size)
         for j, r in enumerate(rows):
             if self._tracks[r.request.request_id].failed:
@@ -161,7 +177,7 @@ class GuidedDecoding:
         words = (self._compiler.vocab_size + 31) // 32
         bitmask = torch.full((len(moved), words), -1, dtype=torch.int32)
         matchers = [(t.matcher, j) for j, (_, t) in enumerate(moved) if t.matcher is not None]
-        llguidance.torch.fill_next_token_bitmask_par(self._executor, matchers, bitmask)
+        _fill_masks(self._executor, matchers, bitmask)
         return {rid: (t.consumed, bitmask[j]) for j, (rid, t) in enumerate(moved)}
 
     def _sync(self, r: GuidedRow) -> _Track:
