@@ -114,5 +114,11 @@ def build_on(
         stack.enter_context(torch.device(device))
         stack.enter_context(_DefaultFloatDtype(dtype))
         if not random_init:
-            stack.enter_context(_NoRandomFill())
+            stack.enter_context(no_random_init())
         yield
+
+
+def no_random_init() -> contextlib.AbstractContextManager[object]:
+    """Modules built inside skip the random fills of their parameters' initialisation
+    (this thread only): for models whose every parameter is loaded right after."""
+    return _NoRandomFill()

@@ -18,7 +18,9 @@ conversion or tokenizer needs them, so resolving an existing checkpoint stays ch
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import functools
 import hashlib
 import importlib.util
 import json
@@ -29,6 +31,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -272,6 +275,37 @@ def _clear_leftovers(root: Path, entry: str) -> None:
         shutil.rmtree(final)
 
 
+@contextlib.contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """While converting, one ``gguf.GGUFReader`` per file and one tensor-name map per
+    (architecture, layers).
+
+    transformers parses the whole GGUF for the config, again for the weights and again for
+    the tokenizer (SmolLM2's 49k-token vocabulary and merges are ~100k fields, read one
+    numpy scalar at a time), and builds the name map once per module: most of a 30 s
+    conversion. Both are pure functions of their arguments, and transformers looks both
+    up on the ``gguf`` module at each call, so they are memoised there for the duration.
+    """
+    import gguf
+
+    saved = {name: getattr(gguf, name) for name in ("GGUFReader", "get_tensor_name_map")}
+    readers: dict[tuple[str, str], Any] = {}
+
+    def reader(path: str | os.PathLike[str], mode: str = "r") -> Any:
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = saved["GGUFReader"](path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = reader  # type: ignore[misc,assignment]
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(saved["get_tensor_name_map"])
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(gguf, name, value)
+
+
 def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Dequantize ``gguf_path`` into an fp32 safetensors checkpoint in ``out_dir``.
 
@@ -279,10 +313,17 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     the reader directly rather than ``from_pretrained(gguf_file=...)``: that path needs
     ``accelerate`` installed and returns a model transformers refuses to save.
     """
+    with _gguf_parsed_once():
+        _convert_parsed_gguf(gguf_path, out_dir)
+
+
+def _convert_parsed_gguf(gguf_path: Path, out_dir: Path) -> None:
     import torch
     from tqdm.auto import tqdm
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from engine.device import no_random_init
 
     folder, filename = str(gguf_path.parent), gguf_path.name
     with tqdm(total=4, desc=f"converting {filename}", unit="step", file=sys.stderr) as bar:
@@ -300,7 +341,8 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         bar.update(1)
 
         bar.set_postfix_str("weights")
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with no_random_init():  # every parameter is loaded below, or the load refused
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         parsed = load_gguf_checkpoint(
             str(gguf_path), return_tensors=True, model_to_load=model, torch_dtype=torch.float32
         )

@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM
 from engine import model_files
 from engine.model_files import (
     ModelFiles,
+    convert_gguf,
     find_bundled_gguf,
     known_model_names,
     load_tokenizer,
@@ -171,6 +172,26 @@ def test_tiny_gguf_converts_to_a_checkpoint_with_identical_logits(tmp_path: Path
     )
     assert prompt == "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
     assert tokenizer.decode(tokenizer.encode("hello world")) == "hello world"
+
+
+def test_a_conversion_parses_the_gguf_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers reads the GGUF for the config, the weights and the tokenizer: one
+    parse serves all three, and the reader is transformers' own again afterwards."""
+    import gguf
+
+    parsed: list[str] = []
+    real = gguf.GGUFReader
+
+    def counting(path: str, mode: str = "r") -> object:
+        parsed.append(str(path))
+        return real(path, mode)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counting)
+    _, path = _tiny_gguf(tmp_path)
+    convert_gguf(path, tmp_path / "out")
+    assert parsed == [str(path)]
+    assert gguf.GGUFReader is counting
+    assert (tmp_path / "out" / "model.safetensors").exists()
 
 
 def test_second_resolve_is_a_cache_hit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
