@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -259,25 +260,48 @@ class LocalCluster:
         """Start one more ``kind`` worker (``argv``: its command line after ``python -m``,
         default :meth:`worker_argv`) and list it in its fleet once it serves, as a pod
         that became ready: the gateway routes to it from its next lookup."""
-        kinds = WORKER_KINDS if self.spec.mode == "disaggregated" else ("decode",)
-        if kind not in kinds:
-            raise ValueError(f"kind must be one of {kinds} in {self.spec.mode} mode, got {kind!r}")
+        (proc,) = self.add_workers([kind], argv=argv, port=port, timeout_s=timeout_s)
+        return proc
+
+    def add_workers(
+        self,
+        kinds: Sequence[str],
+        *,
+        argv: list[str] | None = None,
+        port: int = 0,
+        timeout_s: float | None = None,
+    ) -> list[LocalProcess]:
+        """Start one more worker of each of ``kinds`` at once, as pods scaled up together
+        start side by side; each is listed as soon as it serves. ``argv`` and ``port``
+        only for a single worker."""
+        allowed = WORKER_KINDS if self.spec.mode == "disaggregated" else ("decode",)
+        for kind in kinds:
+            if kind not in allowed:
+                raise ValueError(
+                    f"kind must be one of {allowed} in {self.spec.mode} mode, got {kind!r}"
+                )
+        if len(kinds) != 1 and (argv is not None or port):
+            raise ValueError("argv and port name one worker's command line and port")
         running = [p.kind for p in self.procs if p.kind in WORKER_KINDS and p.popen.poll() is None]
-        cores = self.plan([*running, kind])[-1]
+        cores = self.plan([*running, *kinds])[len(running) :]
         if self.core_shares is not None:
-            # Its share overlaps those planned at start: lending them would put more
+            # Their shares overlap those planned at start: lending them would put more
             # threads to work than cores.
             close_shares(self.core_shares)
             self.core_shares = None
-        proc = self._spawn(
-            kind, self._next_index(kind), argv or self.worker_argv(kind), port, cores=cores
-        )
+        procs = [
+            self._spawn(k, self._next_index(k), argv or self.worker_argv(k), port, cores=c)
+            for k, c in zip(kinds, cores, strict=True)
+        ]
         deadline = time.monotonic() + (timeout_s or self.spec.start_timeout_s)
-        self._await_port(proc, deadline)
-        wait_serving(proc.address, deadline - time.monotonic(), proc, self.spec.probe_credentials)
-        proc.listed = True
-        self.publish()
-        return proc
+        for proc in procs:
+            self._await_port(proc, deadline)
+        credentials = self.spec.probe_credentials
+        for proc in procs:
+            wait_serving(proc.address, deadline - time.monotonic(), proc, credentials)
+            proc.listed = True
+            self.publish()
+        return procs
 
     def terminate(self, proc: LocalProcess) -> None:
         """Take ``proc`` out of its fleet's answer and send it SIGTERM, as Kubernetes does

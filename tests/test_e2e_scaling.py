@@ -188,10 +188,7 @@ async def test_workers_started_after_the_gateway_take_requests(
         traffic = Traffic(stub)
         try:
             await traffic.until(4)
-            added = [
-                await asyncio.to_thread(cluster.add_worker, "decode"),
-                await asyncio.to_thread(cluster.add_worker, "prefill"),
-            ]
+            added = await asyncio.to_thread(cluster.add_workers, ["decode", "prefill"])
             await wait_kv_moved(added)
         finally:
             outcomes = await traffic.stop()
@@ -246,10 +243,7 @@ async def test_sigterm_drains_a_prefill_and_a_decode_worker_under_steady_traffic
                 assert time.monotonic() < deadline, "the decode worker never ran two streams"
                 await asyncio.sleep(0.01)
             cluster.terminate(decode)
-            added = [
-                await asyncio.to_thread(cluster.add_worker, "prefill"),
-                await asyncio.to_thread(cluster.add_worker, "decode"),
-            ]
+            added = await asyncio.to_thread(cluster.add_workers, ["prefill", "decode"])
             assert_clean_exit(decode, await exit_code(decode))
             assert drained_calls(decode) >= 1
             await wait_kv_moved(added)

@@ -147,3 +147,16 @@ def test_more_workers_than_cores_own_them_in_turn_and_borrow_idle_ones(tiny_llam
                     break
                 time.sleep(0.05)
             assert thread_masks(proc.popen.pid) == {proc.cores.cpus}, proc.kind
+
+
+def test_add_workers_refuses_bad_kinds_and_one_command_line_for_several(tmp_path: Path) -> None:
+    """Checked before anything starts: nothing is spawned."""
+    cluster = LocalCluster(ClusterSpec(model="unused"), workdir=tmp_path)
+    with pytest.raises(ValueError, match="kind must be one of .* got 'gateway'"):
+        cluster.add_workers(["decode", "gateway"])
+    with pytest.raises(ValueError, match="argv and port name one worker"):
+        cluster.add_workers(["decode", "prefill"], port=5000)
+    single = LocalCluster(ClusterSpec(model="unused", mode="single"), workdir=tmp_path)
+    with pytest.raises(ValueError, match=r"in single mode, got 'prefill'"):
+        single.add_workers(["prefill"])
+    assert cluster.procs == single.procs == []
