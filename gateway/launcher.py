@@ -175,6 +175,9 @@ class LocalCluster:
         return [module, "--transport", s.transport, *common, *s.worker_args]
 
     def start(self) -> None:
+        """Start the workers and the gateway side by side; return once every worker and
+        the gateway serve (the gateway has found the workers by then: it serves once a
+        decode worker it resolved answers)."""
         s = self.spec
         kinds = ["decode"] * s.num_decode
         if s.mode == "disaggregated":
@@ -182,17 +185,28 @@ class LocalCluster:
         shares = self.plan(kinds)
         seats = self._lending_seats(shares)
         self.core_shares = self._shares_dir if any(seats) else None
+        self.publish()  # no worker listed yet: the gateway's first lookups find none
         workers = [
             self._spawn(k, self._next_index(k), self.worker_argv(k), cores=c, lending=seat)
             for k, c, seat in zip(kinds, shares, seats, strict=True)
         ]
+        gateway = self._spawn_gateway()
         deadline = time.monotonic() + s.start_timeout_s
-        for proc in workers:
+        for proc in [*workers, gateway]:
             self._await_port(proc, deadline)
         for proc in workers:
             wait_serving(proc.address, deadline - time.monotonic(), proc, s.probe_credentials)
             proc.listed = True
         self.publish()
+        wait_serving(gateway.address, deadline - time.monotonic(), gateway, s.probe_credentials)
+        self.gateway_address = gateway.address
+        if s.http_port is not None:
+            # Bound before the gateway reports SERVING, so the file is there by now.
+            http_port_file = self.workdir / "gateway-0.http.port"
+            self.http_address = f"127.0.0.1:{int(http_port_file.read_text())}"
+
+    def _spawn_gateway(self) -> LocalProcess:
+        s = self.spec
         gw_args = [
             "gateway",
             "--model",
@@ -209,16 +223,10 @@ class LocalCluster:
         if s.mode == "disaggregated":
             gw_args += ["--prefill", f"dns:///{FLEET_NAMES['prefill']}"]
         gw_args += s.gateway_args
-        http_port_file = self.workdir / "gateway-0.http.port"
         if s.http_port is not None:
+            http_port_file = self.workdir / "gateway-0.http.port"
             gw_args += ["--http-port", str(s.http_port), "--http-port-file", str(http_port_file)]
-        gateway = self._spawn("gateway", 0, gw_args, port=s.gateway_port)
-        self._await_port(gateway, deadline)
-        wait_serving(gateway.address, deadline - time.monotonic(), gateway, s.probe_credentials)
-        self.gateway_address = gateway.address
-        if s.http_port is not None:
-            # Bound before the gateway reports SERVING, so the file is there by now.
-            self.http_address = f"127.0.0.1:{int(http_port_file.read_text())}"
+        return self._spawn("gateway", 0, gw_args, port=s.gateway_port)
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM everything (gateway first, so it stops taking work), then SIGKILL."""
