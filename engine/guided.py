@@ -44,7 +44,7 @@ def _fill_masks(
 
     What ``llguidance.torch.fill_next_token_bitmask_par`` does; that module is not
     imported because it compiles a ``torch.compile`` kernel at import, which loads
-    dynamo and inductor: ~5 s of every worker's start for a function we never call."""
+    dynamo and inductor: seconds of every worker's start, guided or not."""
     assert bitmask.dtype == torch.int32 and bitmask.dim() == 2 and bitmask.is_contiguous()
     assert bitmask.device.type == "cpu"
     rows, words = bitmask.shape
