@@ -76,7 +76,7 @@ async def running_http(
 
 
 def ids_of(model: ServedModel, text: str) -> list[int]:
-    return model.tokenizer._hf.encode(text, add_special_tokens=False)
+    return model.tokenizer._encode(text, False)
 
 
 def raw_request(

@@ -29,7 +29,7 @@ def tokenizer(smollm2: ModelFiles) -> Iterator[Tokenizer]:
 
 
 def ids_of(tokenizer: Tokenizer, text: str) -> list[int]:
-    return tokenizer._hf.encode(text, add_special_tokens=False)
+    return tokenizer._encode(text, False)
 
 
 def stream(

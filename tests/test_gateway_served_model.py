@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -64,9 +66,16 @@ def test_max_model_len_beyond_the_model_is_refused(smollm2: ModelFiles) -> None:
         tokenizer.close()
 
 
-async def test_model_without_chat_template_refuses_chat(smollm2: ModelFiles) -> None:
-    tokenizer = Tokenizer.load(smollm2.path)
-    tokenizer._hf.chat_template = None
+async def test_model_without_chat_template_refuses_chat(
+    smollm2: ModelFiles, tmp_path: Path
+) -> None:
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy2(smollm2.path / name, tmp_path / name)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tokenizer = Tokenizer.load(tmp_path)
+    assert not tokenizer.has_chat_template
     try:
         with pytest.raises(ValueError, match="^chat: model .* has no chat template"):
             await tokenizer.apply_chat_template([ChatTurn("user", "hi")])

@@ -128,7 +128,7 @@ def text_request(text: str = "Hello", **fields: object) -> generate_pb2.Generate
 
 
 def ids_of(model: ServedModel, text: str) -> list[int]:
-    return model.tokenizer._hf.encode(text, add_special_tokens=False)
+    return model.tokenizer._encode(text, False)
 
 
 # --- streaming -----------------------------------------------------------------------

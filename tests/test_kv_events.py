@@ -103,7 +103,7 @@ def test_gateway_and_worker_hash_real_text_alike(
     """The gateway tokenizes and hashes; the worker's engine caches the same prompt: every
     full block's hash the gateway computes is one the worker reported storing."""
     text = "The quick brown fox jumps over the lazy dog. " * 12
-    ids = served_smollm2.tokenizer._hf.encode(text, add_special_tokens=False)
+    ids = served_smollm2.tokenizer._encode(text, False)
     core = make_core(tiny_llama)
     core.generate([ids], SamplingParams(max_tokens=1, temperature=0))
     index = KVIndex()

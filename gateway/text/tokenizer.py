@@ -4,6 +4,11 @@ Encoding a long prompt or rendering a chat template takes milliseconds to second
 ``encode`` and ``apply_chat_template`` run on one dedicated thread (HF fast tokenizers are
 not safe to drive from several threads at once). ``decode`` stays synchronous: the
 incremental detokenizer calls it on windows of a few tokens, which costs microseconds.
+
+A checkpoint whose tokenizer is its tokenizer.json and nothing more is read without
+transformers (``gateway.text.tokenizer_json``: no torch in the gateway, a start seconds
+shorter); any other, and a GGUF file's, through transformers' ``AutoTokenizer``. Both give
+the same ids, text and chat.
 """
 
 from __future__ import annotations
@@ -13,7 +18,11 @@ import logging
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+from jinja2 import TemplateError
+
+from gateway.text.tokenizer_json import TokenizerJson, why_not_plain
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -23,12 +32,81 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class Tokenizer:
-    """An HF tokenizer plus the thread that runs it. ``close`` may be called twice."""
+class _Backend(Protocol):
+    """What the gateway asks of a tokenizer, whichever library holds it."""
 
-    def __init__(self, hf: PreTrainedTokenizerBase, name: str) -> None:
-        self.name = name
+    eos_token_id: int | None
+    all_special_ids: frozenset[int]
+
+    def has_chat_template(self) -> bool: ...
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool) -> str: ...
+
+    def render(self, messages: list[dict[str, str]]) -> str: ...
+
+
+class _Transformers:
+    """A tokenizer loaded by transformers' ``AutoTokenizer``."""
+
+    def __init__(self, hf: PreTrainedTokenizerBase) -> None:
         self._hf = hf
+        self.eos_token_id: int | None = hf.eos_token_id
+        self.all_special_ids = frozenset(hf.all_special_ids)
+
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self._hf, "chat_template", None))
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(self._hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool) -> str:
+        text = self._hf.decode(
+            list(token_ids),
+            skip_special_tokens=skip_special_tokens,
+            clean_up_tokenization_spaces=False,
+        )
+        assert isinstance(text, str), "decoding one sequence gives one text"
+        return text
+
+    def render(self, messages: list[dict[str, str]]) -> str:
+        rendered = self._hf.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        if not isinstance(rendered, str):
+            raise TypeError(f"chat template rendered a {type(rendered).__name__}, not text")
+        return rendered
+
+
+class _Json:
+    """A tokenizer read from tokenizer.json alone (``gateway.text.tokenizer_json``)."""
+
+    def __init__(self, tok: TokenizerJson) -> None:
+        self._tok = tok
+        self.eos_token_id = tok.eos_token_id
+        self.all_special_ids = tok.all_special_ids
+
+    def has_chat_template(self) -> bool:
+        return self._tok.chat_template is not None
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self._tok.encode(text, add_special_tokens)
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens)
+
+    def render(self, messages: list[dict[str, str]]) -> str:
+        assert self._tok.chat_template is not None, "callers check has_chat_template first"
+        return self._tok.chat_template.render(messages, add_generation_prompt=True)
+
+
+class Tokenizer:
+    """A model's tokenizer plus the thread that runs it. ``close`` may be called twice."""
+
+    def __init__(self, backend: _Backend, name: str) -> None:
+        self.name = name
+        self._backend = backend
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
 
     @classmethod
@@ -37,25 +115,31 @@ class Tokenizer:
 
         Blocking. Reads tokenizer files or GGUF metadata only, never weights.
         """
+        directory = Path(directory)
+        name = gguf_file or directory.name
+        reason = "a GGUF file" if gguf_file is not None else why_not_plain(directory)
+        if reason is None:
+            return cls(_Json(TokenizerJson(directory)), name)
+        logger.info("tokenizer of %s: loading through transformers (%s)", name, reason)
         from transformers import AutoTokenizer
 
         if gguf_file is None:
             hf = AutoTokenizer.from_pretrained(directory)
         else:
             hf = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
-        return cls(hf, gguf_file or Path(directory).name)
+        return cls(_Transformers(hf), name)
 
     @property
     def has_chat_template(self) -> bool:
-        return bool(getattr(self._hf, "chat_template", None))
+        return self._backend.has_chat_template()
 
     @property
     def eos_token_id(self) -> int | None:
-        return self._hf.eos_token_id
+        return self._backend.eos_token_id
 
     @property
     def all_special_ids(self) -> frozenset[int]:
-        return frozenset(self._hf.all_special_ids)
+        return self._backend.all_special_ids
 
     async def encode(self, text: str) -> list[int]:
         """Token ids of plain text, with the model's usual special tokens (BOS, if any)."""
@@ -77,34 +161,21 @@ class Tokenizer:
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool) -> str:
         """Text of ``token_ids`` exactly as the tokenizer renders it (no space clean-up)."""
-        text = self._hf.decode(
-            list(token_ids),
-            skip_special_tokens=skip_special_tokens,
-            clean_up_tokenization_spaces=False,
-        )
-        assert isinstance(text, str), "decoding one sequence gives one text"
-        return text
+        return self._backend.decode(token_ids, skip_special_tokens)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return list(self._hf.encode(text, add_special_tokens=add_special_tokens))
+        return self._backend.encode(text, add_special_tokens)
 
     def _render(self, messages: list[dict[str, str]]) -> str:
-        from jinja2 import TemplateError
-
         try:
-            rendered = self._hf.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
-            )
+            return self._backend.render(messages)
         except TemplateError as err:
             raise ValueError(
                 f"chat: the model's chat template rejected the messages: {err}"
             ) from err
-        if not isinstance(rendered, str):
-            raise TypeError(f"chat template rendered a {type(rendered).__name__}, not text")
-        return rendered
 
     async def _run(self, fn: Any, *args: Any) -> Any:
         loop = asyncio.get_running_loop()
