@@ -6,7 +6,10 @@ What a user waits for before the first token, timed on the bundled model:
   fresh directory, so the cache never answers);
 - ``decode worker``: ``python -m decode_service`` at its defaults (bf16, one compute
   thread) from the process's start to its "is SERVING" log line, the moment its health
-  service answers SERVING, with the process's own CPU seconds.
+  service answers SERVING;
+- ``gateway``: ``python -m gateway`` from the process's start to its "model ... ready"
+  log line (its tokenizer and model card loaded; it then waits for decode workers), with
+  the CPU seconds the process spent until then.
 
 Exports ``--base`` with ``git archive`` (as ``benchmarks.w1_ab`` does), then runs each
 measurement in a child process of each tree in turn, ``--runs`` times, so noise from
@@ -34,6 +37,7 @@ from benchmarks.w1_ab import export_tree
 
 REPO = Path(__file__).resolve().parent.parent
 SERVING = "is SERVING"
+GATEWAY_READY = " ready in "
 CONVERT = (
     "import sys; from pathlib import Path; from engine.model_files import convert_gguf; "
     "convert_gguf(Path(sys.argv[1]), Path(sys.argv[2]))"
@@ -85,6 +89,40 @@ def time_worker_start(tree: Path, model: str, workdir: Path, timeout_s: float = 
         proc.wait(timeout=60)
 
 
+def _cpu_of(pid: int) -> float:
+    """CPU seconds process ``pid`` has used so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def time_gateway_start(
+    tree: Path, model: str, workdir: Path, timeout_s: float = 300.0
+) -> tuple[float, float]:
+    """(wall s, CPU s) from spawning ``tree``'s gateway to its "model ... ready" line; it
+    is then stopped. It is pointed at a decode address nobody serves: loading the model
+    does not wait for workers."""
+    log = workdir / "gateway.log"
+    began = time.perf_counter()
+    with log.open("w") as sink:
+        proc = subprocess.Popen(
+            [
+                sys.executable, "-m", "gateway", "--model", model, "--log-level", "INFO",
+                "--decode", "127.0.0.1:9", "--prefill", "127.0.0.1:9",
+                "--host", "127.0.0.1", "--port", "0", "--port-file", str(workdir / "gw-port"),
+            ],
+            cwd=tree, stdout=sink, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        while GATEWAY_READY not in log.read_text(errors="replace"):
+            if proc.poll() is not None or time.perf_counter() - began > timeout_s:
+                raise RuntimeError(f"gateway of {tree} never loaded its model:\n{log.read_text()}")
+            time.sleep(0.02)
+        return time.perf_counter() - began, _cpu_of(proc.pid)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
 def main(argv: list[str] | None = None) -> Path:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.startup_ab", description=__doc__)
     ap.add_argument("--base", required=True, help="git revision to compare against")
@@ -107,6 +145,8 @@ def main(argv: list[str] | None = None) -> Path:
     rows: list[list[str]] = []
     convert: dict[str, list[float]] = {}
     start: dict[str, list[float]] = {}
+    gateway: dict[str, list[float]] = {}
+    gateway_cpu: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="startup-ab-") as tmp:
         base_dir = Path(tmp) / "base"
         base_sha = export_tree(args.base, base_dir)
@@ -116,14 +156,25 @@ def main(argv: list[str] | None = None) -> Path:
                 work = Path(tempfile.mkdtemp(dir=tmp))
                 wall, cpu = time_conversion(tree, gguf, work / "converted")
                 serving = time_worker_start(tree, model, work)
+                gw_wall, gw_cpu = time_gateway_start(tree, model, work)
                 convert.setdefault(name, []).append(wall)
                 start.setdefault(name, []).append(serving)
-                rows.append([name, str(rep + 1), f"{wall:.2f}", f"{cpu:.2f}", f"{serving:.2f}"])
-                print(f"{name} run {rep + 1}: convert {wall:.2f} s, serving after {serving:.2f} s")
+                gateway.setdefault(name, []).append(gw_wall)
+                gateway_cpu.setdefault(name, []).append(gw_cpu)
+                rows.append(
+                    [name, str(rep + 1), f"{wall:.2f}", f"{cpu:.2f}", f"{serving:.2f}",
+                     f"{gw_wall:.2f}", f"{gw_cpu:.2f}"]
+                )  # fmt: skip
+                print(
+                    f"{name} run {rep + 1}: convert {wall:.2f} s, serving after {serving:.2f} s,"
+                    f" gateway ready after {gw_wall:.2f} s ({gw_cpu:.2f} CPU s)"
+                )
     base, new = trees
     medians = {
         "convert": {n: statistics.median(v) for n, v in convert.items()},
         "decode worker to SERVING": {n: statistics.median(v) for n, v in start.items()},
+        "gateway to model ready": {n: statistics.median(v) for n, v in gateway.items()},
+        "gateway CPU to model ready": {n: statistics.median(v) for n, v in gateway_cpu.items()},
     }
     command = "python -m benchmarks.startup_ab " + " ".join(sys.argv[1:] if argv is None else argv)
     threads = len(os.sched_getaffinity(0))
@@ -133,7 +184,15 @@ def main(argv: list[str] | None = None) -> Path:
         *provenance.header_lines(command, threads, load0, os.getloadavg(), now),
         "",
         common.markdown_table(
-            ("tree", "run", "convert wall s", "convert CPU s", "decode worker to SERVING s"),
+            (
+                "tree",
+                "run",
+                "convert wall s",
+                "convert CPU s",
+                "decode worker to SERVING s",
+                "gateway to model ready s",
+                "gateway CPU s",
+            ),  # fmt: skip
             rows,
         ),
         "",
@@ -151,6 +210,8 @@ def main(argv: list[str] | None = None) -> Path:
         " of the tree (its imports included).",
         f"- decode worker: `python -m decode_service --model {Path(model).name}` at its"
         " defaults, spawn to the 'is SERVING' log line; the kernel-route cache is warm.",
+        f"- gateway: `python -m gateway --model {Path(model).name}`, spawn to its 'model"
+        " ... ready' log line (tokenizer and model card loaded), and its CPU seconds by then.",
     ]
     return provenance.publish("\n".join(lines) + "\n", "startup_ab", out=args.out)
 
