@@ -123,6 +123,40 @@ async def test_greedy_chat_equals_the_grpc_path(cluster: E2ECluster) -> None:
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+async def test_the_gateway_renders_chat_as_transformers_without_loading_torch(
+    cluster: E2ECluster, tiny_llama: Path
+) -> None:
+    """The gateway reads the tokenizer without transformers (gateway.text.tokenizer_json):
+    the chat's prompt is HF's ``apply_chat_template`` of it, token for token, and the
+    gateway process never maps torch."""
+    from transformers import AutoTokenizer
+
+    messages = [
+        {"role": "system", "content": "Réponds en un mot <b>&</b>."},
+        {"role": "user", "content": "Name a relay race leg. 🏃"},
+    ]
+    expected = AutoTokenizer.from_pretrained(tiny_llama).apply_chat_template(
+        messages, tokenize=True, add_generation_prompt=True, return_dict=False
+    )
+    request = generate_pb2.GenerateRequest(
+        chat=generate_pb2.ChatMessages(
+            messages=[
+                generate_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages
+            ]
+        ),
+        sampling_params=common_pb2.SamplingParameters(max_tokens=1, prompt_logprobs=0),
+    )
+    async with gateway_stub(cluster.gateway_address) as stub:
+        outcome = await generate(stub, request)
+    # Every prompt token after the first comes back with its log-probability.
+    echoed = [t.token_id for r in outcome.responses for t in r.prompt_logprobs]
+    assert echoed == list(expected)[1:]
+    assert outcome.responses[-1].usage.prompt_tokens == len(expected)
+    gateway = cluster.process("gateway")
+    maps = Path(f"/proc/{gateway.pid}/maps").read_text()
+    assert "libtorch" not in maps
+
+
 async def test_refused_fields_and_bad_values_name_the_field(cluster: E2ECluster) -> None:
     client = client_for(cluster)
     async with client:
