@@ -9,7 +9,10 @@ What a user waits for before the first token, timed on the bundled model:
   service answers SERVING;
 - ``gateway``: ``python -m gateway`` from the process's start to its "model ... ready"
   log line (its tokenizer and model card loaded; it then waits for decode workers), with
-  the CPU seconds the process spent until then.
+  the CPU seconds the process spent until then;
+- ``deployment``: what ``baton serve`` waits for, ``LocalCluster(...).start()`` at its
+  defaults (a gateway, a prefill and a decode worker) until the gateway serves, timed in
+  a child process of the tree (its imports excluded).
 
 Exports ``--base`` with ``git archive`` (as ``benchmarks.w1_ab`` does), then runs each
 measurement in a child process of each tree in turn, ``--runs`` times, so noise from
@@ -123,6 +126,24 @@ def time_gateway_start(
         proc.wait(timeout=60)
 
 
+DEPLOY = (
+    "import sys, time; from gateway.launcher import ClusterSpec, LocalCluster; "
+    "cluster = LocalCluster(ClusterSpec(model=sys.argv[1])); began = time.perf_counter(); "
+    "cluster.start(); print('STARTED', time.perf_counter() - began, flush=True); cluster.stop()"
+)
+
+
+def time_deployment(tree: Path, model: str) -> float:
+    """Seconds ``tree``'s ``LocalCluster.start`` takes to serve ``model`` at its defaults."""
+    done = subprocess.run(
+        [sys.executable, "-c", DEPLOY, model], cwd=tree, capture_output=True, text=True, timeout=600
+    )
+    for line in done.stdout.splitlines():
+        if line.startswith("STARTED "):
+            return float(line.split()[1])
+    raise RuntimeError(f"deployment of {tree} did not start:\n{done.stdout}\n{done.stderr}")
+
+
 def main(argv: list[str] | None = None) -> Path:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.startup_ab", description=__doc__)
     ap.add_argument("--base", required=True, help="git revision to compare against")
@@ -147,6 +168,7 @@ def main(argv: list[str] | None = None) -> Path:
     start: dict[str, list[float]] = {}
     gateway: dict[str, list[float]] = {}
     gateway_cpu: dict[str, list[float]] = {}
+    deploy: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="startup-ab-") as tmp:
         base_dir = Path(tmp) / "base"
         base_sha = export_tree(args.base, base_dir)
@@ -157,17 +179,20 @@ def main(argv: list[str] | None = None) -> Path:
                 wall, cpu = time_conversion(tree, gguf, work / "converted")
                 serving = time_worker_start(tree, model, work)
                 gw_wall, gw_cpu = time_gateway_start(tree, model, work)
+                deployed = time_deployment(tree, model)
+                deploy.setdefault(name, []).append(deployed)
                 convert.setdefault(name, []).append(wall)
                 start.setdefault(name, []).append(serving)
                 gateway.setdefault(name, []).append(gw_wall)
                 gateway_cpu.setdefault(name, []).append(gw_cpu)
                 rows.append(
                     [name, str(rep + 1), f"{wall:.2f}", f"{cpu:.2f}", f"{serving:.2f}",
-                     f"{gw_wall:.2f}", f"{gw_cpu:.2f}"]
+                     f"{gw_wall:.2f}", f"{gw_cpu:.2f}", f"{deployed:.2f}"]
                 )  # fmt: skip
                 print(
                     f"{name} run {rep + 1}: convert {wall:.2f} s, serving after {serving:.2f} s,"
-                    f" gateway ready after {gw_wall:.2f} s ({gw_cpu:.2f} CPU s)"
+                    f" gateway ready after {gw_wall:.2f} s ({gw_cpu:.2f} CPU s),"
+                    f" deployment serving after {deployed:.2f} s"
                 )
     base, new = trees
     medians = {
@@ -175,6 +200,7 @@ def main(argv: list[str] | None = None) -> Path:
         "decode worker to SERVING": {n: statistics.median(v) for n, v in start.items()},
         "gateway to model ready": {n: statistics.median(v) for n, v in gateway.items()},
         "gateway CPU to model ready": {n: statistics.median(v) for n, v in gateway_cpu.items()},
+        "deployment to serving": {n: statistics.median(v) for n, v in deploy.items()},
     }
     command = "python -m benchmarks.startup_ab " + " ".join(sys.argv[1:] if argv is None else argv)
     threads = len(os.sched_getaffinity(0))
@@ -192,6 +218,7 @@ def main(argv: list[str] | None = None) -> Path:
                 "decode worker to SERVING s",
                 "gateway to model ready s",
                 "gateway CPU s",
+                "deployment to serving s",
             ),  # fmt: skip
             rows,
         ),
@@ -212,6 +239,8 @@ def main(argv: list[str] | None = None) -> Path:
         " defaults, spawn to the 'is SERVING' log line; the kernel-route cache is warm.",
         f"- gateway: `python -m gateway --model {Path(model).name}`, spawn to its 'model"
         " ... ready' log line (tokenizer and model card loaded), and its CPU seconds by then.",
+        "- deployment: `LocalCluster(ClusterSpec(model=...)).start()` at its defaults (gateway,"
+        " prefill and decode worker, bf16), until it returns with the gateway serving.",
     ]
     return provenance.publish("\n".join(lines) + "\n", "startup_ab", out=args.out)
 

@@ -1,6 +1,6 @@
 """Smoke test of the start-up A/B harness on a tiny GGUF and the tiny model: both trees
-convert, start a decode worker and load a gateway, and the report has a row per run and
-the medians. It asserts nothing about speed."""
+convert, start a decode worker, load a gateway and start a deployment, and the report has
+a row per run and the medians. It asserts nothing about speed."""
 
 from __future__ import annotations
 
@@ -25,3 +25,4 @@ def test_harness_times_both_trees_and_writes_the_table(tmp_path: Path, tiny_llam
     assert len(rows) == 2  # one run of each tree
     assert "| convert |" in text and "| decode worker to SERVING |" in text
     assert "| gateway to model ready |" in text and "| gateway CPU to model ready |" in text
+    assert "| deployment to serving |" in text
