@@ -197,11 +197,13 @@ class LocalCluster:
         seats = self._lending_seats(shares)
         self.core_shares = self._shares_dir if any(seats) else None
         self.publish()  # no worker listed yet: the gateway's first lookups find none
+        # The gateway first: it loads its tokenizer while the fork server (on a first
+        # start) imports torch.
+        gateway = self._spawn_gateway()
         workers = [
             self._spawn(k, self._next_index(k), self.worker_argv(k), cores=c, lending=seat)
             for k, c, seat in zip(kinds, shares, seats, strict=True)
         ]
-        gateway = self._spawn_gateway()
         deadline = time.monotonic() + s.start_timeout_s
         for proc in [*workers, gateway]:
             self._await_port(proc, deadline)
