@@ -66,6 +66,13 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
         "which widen their teams until it wants them back (default on; --no-core-lending: "
         "each worker keeps to its share)",
     )
+    p.add_argument(
+        "--fork-workers",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="start workers as forks of one process that has imported torch once "
+        "(default on; --no-fork-workers: each worker is a fresh python process)",
+    )
     p.add_argument("--log-level", default="WARNING")
 
 
@@ -85,6 +92,7 @@ def _spec(
         log_level=args.log_level,
         core_plan=args.core_plan,
         core_lending=args.core_lending,
+        fork_workers=args.fork_workers,
     )
 
 

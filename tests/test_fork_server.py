@@ -146,3 +146,40 @@ def test_a_child_of_a_server_that_died_is_still_told_apart(
     finally:
         proc.kill()
         fork.close()
+
+
+def test_baton_serve_forks_workers_by_default_and_no_fork_workers_turns_it_off() -> None:
+    from gateway.cli import _parser, _spec
+
+    assert _spec(_parser().parse_args(["serve"])).fork_workers is True
+    assert _spec(_parser().parse_args(["run", "--no-fork-workers", "hi"])).fork_workers is False
+
+
+def test_the_launcher_forks_workers_only_where_a_fork_runs_as_a_fresh_process(
+    tmp_path: Path,
+) -> None:
+    from gateway.fork_server import ForkedProcess
+    from gateway.launcher import ClusterSpec, LocalCluster
+
+    class Elsewhere(LocalCluster):
+        """Places its processes on another host, as tests/test_e2e_two_hosts.py does."""
+
+        def placed(self, kind: str, cmd: list[str], env: dict[str, str]):  # type: ignore[no-untyped-def]
+            return ["ip", "netns", "exec", "h1", *cmd], env
+
+    def forked(cluster: LocalCluster, kind: str, env: dict[str, str]) -> bool:
+        argv = ["decode_service", "--check-config"]
+        proc = cluster._forked(kind, argv, env, tmp_path / f"{kind}.log", 0)
+        if proc is not None:
+            assert isinstance(proc, ForkedProcess) and proc.wait(60) == 0
+        return proc is not None
+
+    env = dict(os.environ)
+    here = LocalCluster(ClusterSpec(), workdir=tmp_path / "here")
+    assert forked(here, "decode", env)
+    assert forked(here, "decode", {**env, "OMP_NUM_THREADS": "1"})
+    assert not forked(here, "gateway", env)  # never imports torch
+    assert not forked(here, "decode", {**env, "PYTHONPATH": "/elsewhere"})
+    off = LocalCluster(ClusterSpec(fork_workers=False), workdir=tmp_path / "off")
+    assert not forked(off, "decode", env)
+    assert not forked(Elsewhere(ClusterSpec(), workdir=tmp_path / "there"), "decode", env)
