@@ -1,7 +1,9 @@
 """Starting worker processes by forking one that has already imported torch.
 
-``import torch`` is most of a worker's start: 2.8 of its 3.3 s (a tiny model's decode
-worker on 2 cores), paid again by every worker a launcher starts. The fork server
+``import torch`` is most of a worker's start, paid again by every worker a launcher
+starts (a local deployment of the bundled model served after 11.32 s without this and
+the gateway's own change, 7.90 s with them:
+``benchmarks/results/startup_ab_2026-12-07_avx2_gateway-and-fork.md``). The fork server
 (``python -m gateway.fork_server SOCKET MODULE...``) imports torch once and then, for each worker,
 forks: the child takes the worker's command line, environment, working directory,
 niceness and log file, and runs its module as ``python -m`` would. Children share the

@@ -108,8 +108,8 @@ class ClusterSpec:
     # at once on 2 cores saw refusals after 1.6-2.5 s at niceness 0, 0.5-0.9 s at 10.
     worker_nice: int = 10
     # Start workers as forks of a process that has already imported torch
-    # (gateway.fork_server): ~1 s to SERVING instead of ~3 s on 2 cores. Off, or where
-    # that server cannot start, each worker is a fresh ``python -m``.
+    # (gateway.fork_server), sparing each worker that import. Off, or where that server
+    # cannot start, each worker is a fresh ``python -m``.
     fork_workers: bool = True
 
     def __post_init__(self) -> None:

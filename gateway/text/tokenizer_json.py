@@ -1,9 +1,10 @@
 """A checkpoint's tokenizer read straight from its ``tokenizer.json``, without transformers.
 
 transformers' ``AutoTokenizer`` imports torch and transformers itself, then builds the same
-Rust tokenizer out of ``tokenizer.json``: about 4.8 s of CPU before a gateway can serve,
-against 0.25 s for the ``tokenizers`` library alone (SmolLM2-135M, ``python -m
-benchmarks.gateway_start``), and a gateway with no torch in it is ~300 MB smaller.
+Rust tokenizer out of ``tokenizer.json``: a gateway spent 6.8 CPU seconds from its start
+to its model being ready, 0.9 without them (SmolLM2-135M, 2-CPU AVX2 host,
+``benchmarks/results/startup_ab_2026-12-07_avx2_gateway-and-fork.md``), and has no torch
+in its memory.
 
 Only checkpoints whose tokenizer transformers loads as that file and nothing more take
 this path: the generic class (``TokenizersBackend`` / ``PreTrainedTokenizerFast``), every
