@@ -39,6 +39,7 @@ import os
 import runpy
 import select
 import selectors
+import shlex
 import signal
 import socket
 import subprocess
@@ -49,6 +50,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import setproctitle
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +160,10 @@ def _become(request: _Request) -> None:
     # The server's own stdio objects wrap descriptors 0-2, which now are the worker's.
     sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="backslashreplace")  # noqa: SIM115
     sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="backslashreplace")  # noqa: SIM115
+    # What ps, top and pkill -f show: the worker's own command line, not the server's.
+    # Before the environment changes: setproctitle finds the space it writes the title
+    # into from where the process's environment strings were at its start.
+    setproctitle.setproctitle(shlex.join([sys.executable, "-m", *request.argv]))
     os.chdir(request.cwd)
     os.environ.clear()
     os.environ.update(request.env)

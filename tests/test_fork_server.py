@@ -54,7 +54,7 @@ def _serving(model: Path) -> list[str]:
             "--host", "127.0.0.1", "--port", "0"]  # fmt: skip
 
 
-def test_a_fork_runs_at_its_niceness_in_its_directory(
+def test_a_fork_runs_at_its_niceness_in_its_directory_under_its_own_name(
     server: ForkServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_llama: Path
 ) -> None:
     monkeypatch.chdir(tmp_path)
@@ -69,6 +69,10 @@ def test_a_fork_runs_at_its_niceness_in_its_directory(
         stat = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
         assert int(stat[16]) == os.getpriority(os.PRIO_PROCESS, 0) + 7
         assert Path(f"/proc/{proc.pid}/cwd").resolve() == tmp_path.resolve()
+        # ps and pkill -f see the worker's command line, not the fork server's.
+        shown = Path(f"/proc/{proc.pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        assert f"-m decode_service --model {tiny_llama}" in shown, shown
+        assert "fork_server" not in shown
         proc.terminate()
         assert proc.wait(30) == 0  # a drained worker exits 0
     finally:
