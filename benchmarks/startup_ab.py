@@ -68,62 +68,50 @@ def time_conversion(tree: Path, gguf: Path, out: Path) -> tuple[float, float]:
     return wall, _cpu_s(usage)
 
 
-def time_worker_start(tree: Path, model: str, workdir: Path, timeout_s: float = 300.0) -> float:
-    """Seconds from spawning ``tree``'s decode worker to its SERVING line; it is then
-    stopped."""
-    log = workdir / "decode.log"
-    began = time.perf_counter()
-    with log.open("w") as sink:
-        proc = subprocess.Popen(
-            [
-                sys.executable, "-m", "decode_service", "--model", model,
-                "--host", "127.0.0.1", "--port", "0", "--port-file", str(workdir / "port"),
-            ],
-            cwd=tree, stdout=sink, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    try:
-        while SERVING not in log.read_text(errors="replace"):
-            if proc.poll() is not None or time.perf_counter() - began > timeout_s:
-                raise RuntimeError(f"decode worker of {tree} never served:\n{log.read_text()}")
-            time.sleep(0.02)
-        return time.perf_counter() - began
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
-
-
 def _cpu_of(pid: int) -> float:
     """CPU seconds process ``pid`` has used so far (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def time_gateway_start(
-    tree: Path, model: str, workdir: Path, timeout_s: float = 300.0
+def _until_logged(
+    tree: Path, argv: list[str], line: str, log: Path, timeout_s: float
 ) -> tuple[float, float]:
-    """(wall s, CPU s) from spawning ``tree``'s gateway to its "model ... ready" line; it
-    is then stopped. It is pointed at a decode address nobody serves: loading the model
-    does not wait for workers."""
-    log = workdir / "gateway.log"
+    """(wall s, CPU s) from spawning ``python -m argv`` in ``tree`` until its log holds
+    ``line``; it is then stopped."""
     began = time.perf_counter()
     with log.open("w") as sink:
         proc = subprocess.Popen(
-            [
-                sys.executable, "-m", "gateway", "--model", model, "--log-level", "INFO",
-                "--decode", "127.0.0.1:9", "--prefill", "127.0.0.1:9",
-                "--host", "127.0.0.1", "--port", "0", "--port-file", str(workdir / "gw-port"),
-            ],
-            cwd=tree, stdout=sink, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [sys.executable, "-m", *argv], cwd=tree, stdout=sink, stderr=subprocess.STDOUT
+        )
     try:
-        while GATEWAY_READY not in log.read_text(errors="replace"):
+        while line not in log.read_text(errors="replace"):
             if proc.poll() is not None or time.perf_counter() - began > timeout_s:
-                raise RuntimeError(f"gateway of {tree} never loaded its model:\n{log.read_text()}")
+                raise RuntimeError(f"{argv[0]} of {tree} never logged {line!r}:\n{log.read_text()}")
             time.sleep(0.02)
         return time.perf_counter() - began, _cpu_of(proc.pid)
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def time_worker_start(tree: Path, model: str, workdir: Path, timeout_s: float = 300.0) -> float:
+    """Seconds from spawning ``tree``'s decode worker to its SERVING line."""
+    argv = ["decode_service", "--model", model,
+            "--host", "127.0.0.1", "--port", "0", "--port-file", str(workdir / "port")]  # fmt: skip
+    return _until_logged(tree, argv, SERVING, workdir / "decode.log", timeout_s)[0]
+
+
+def time_gateway_start(
+    tree: Path, model: str, workdir: Path, timeout_s: float = 300.0
+) -> tuple[float, float]:
+    """(wall s, CPU s) from spawning ``tree``'s gateway to its "model ... ready" line. It
+    is pointed at a decode address nobody serves: loading the model does not wait for
+    workers."""
+    argv = ["gateway", "--model", model, "--log-level", "INFO",
+            "--decode", "127.0.0.1:9", "--prefill", "127.0.0.1:9", "--host", "127.0.0.1",
+            "--port", "0", "--port-file", str(workdir / "gw-port")]  # fmt: skip
+    return _until_logged(tree, argv, GATEWAY_READY, workdir / "gateway.log", timeout_s)
 
 
 DEPLOY = (
