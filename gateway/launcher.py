@@ -470,9 +470,7 @@ class LocalCluster:
 
         nice = self.spec.worker_nice if kind in WORKER_KINDS else 0
         log.write_bytes(b"")
-        popen: subprocess.Popen | ForkedProcess | None = self._forked(
-            kind, cmd[2:], env, log, nice
-        )
+        popen: subprocess.Popen | ForkedProcess | None = self._forked(kind, cmd[2:], env, log, nice)
         if popen is None:
             if nice and (nice_binary := shutil.which("nice")):
                 # Through nice(1), which execs the worker: a preexec_fn would make
