@@ -1,15 +1,18 @@
 """A ``PrefillLink`` over gRPC: decode's end of one ``PrefillWorker.Prefill`` stream.
 
 Wiring only: records go through ``rpc.convert_handoff``; a failed call surfaces as its
-typed error; a message that breaks the protocol as ABORTED. RESOURCE_EXHAUSTED (the
-prefill worker's queue is full) surfaces as a ``RoleExhaustedError`` naming the prefill
-role, which this decode worker's interceptor relays to the gateway in the trailing
-metadata, so the gateway retries on another prefill worker rather than taking this decode
-worker for full. The call's metadata carries the trace context (``traceparent``) to the
-prefill worker.
+typed error, also when it is a write that finds the call already ended (the prefill
+worker died between two messages); a message that breaks the protocol as ABORTED.
+RESOURCE_EXHAUSTED (the prefill worker's queue is full) surfaces as a
+``RoleExhaustedError`` naming the prefill role, which this decode worker's interceptor
+relays to the gateway in the trailing metadata, so the gateway retries on another
+prefill worker rather than taking this decode worker for full. The call's metadata
+carries the trace context (``traceparent``) to the prefill worker.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 import grpc
 import grpc.aio
@@ -48,7 +51,26 @@ class GrpcPrefillLink:
         else:
             proto = ack_to_proto(self._rid, message)
         with typed_rpc_errors(f"prefill {self._address}", role=_ROLE):
-            await self._call.write(proto)
+            try:
+                await self._call.write(proto)
+            except asyncio.InvalidStateError:
+                # The call ended before this write (its peer failed or left): grpc says
+                # "RPC already finished"; the call's own status says how, as a read would.
+                await self._raise_ended()
+
+    async def _raise_ended(self) -> None:
+        code = await self._call.code()
+        if code is grpc.StatusCode.OK:
+            raise AbortedError(
+                f"request {self._rid}: prefill {self._address} ended the stream while"
+                " decode still had a message for it"
+            )
+        raise grpc.aio.AioRpcError(
+            code,
+            await self._call.initial_metadata(),
+            await self._call.trailing_metadata(),
+            await self._call.details(),
+        )
 
     async def receive(self) -> PrefillEvent | None:
         with typed_rpc_errors(f"prefill {self._address}", role=_ROLE):
