@@ -209,16 +209,18 @@ async def _kill_under_load(
         cluster.kill_address(victim)
         killed_at = time.monotonic()
         await traffic.wait_served(16, after=killed_at)  # the others carry the load
-    counts = check(traffic.records, reference, FAILURE_BOUND_S)
-    # The kill hit requests in flight: they failed, or the gateway retried them elsewhere.
-    retried = sum(
-        "failed before its first token" in line and f"{kind} {victim}" in line
-        for line in _gateway_log(cluster)[mark:].splitlines()
-    )
-    await _settled_at_initial(cluster, {a: initial[a] for a in initial if a != victim})
-    await asyncio.to_thread(_restart, cluster, victim)
-    await _settled_at_initial(cluster, initial)
-    # Asserted once the cluster is whole again, so a failure here fails this test alone.
+    try:
+        counts = check(traffic.records, reference, FAILURE_BOUND_S)
+        # The kill hit requests in flight: they failed, or the gateway retried them elsewhere.
+        retried = sum(
+            "failed before its first token" in line and f"{kind} {victim}" in line
+            for line in _gateway_log(cluster)[mark:].splitlines()
+        )
+    finally:
+        # Whatever the verdict, the next scenario gets the whole cluster back.
+        await _settled_at_initial(cluster, {a: initial[a] for a in initial if a != victim})
+        await asyncio.to_thread(_restart, cluster, victim)
+        await _settled_at_initial(cluster, initial)
     assert retried or len(counts) > 1, f"the kill of {victim} hit nothing: {counts}"
     counts["retried"] = retried
     return counts
