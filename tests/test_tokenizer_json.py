@@ -107,7 +107,7 @@ def test_the_bundled_model_loads_without_transformers_or_torch(smollm2: ModelFil
     code = (
         "import sys; from pathlib import Path; from gateway.text.tokenizer import Tokenizer; "
         f"t = Tokenizer.load(Path({str(smollm2.path)!r})); "
-        "assert type(t._backend).__name__ == '_Json', t._backend; "
+        "assert type(t._backend).__name__ == 'TokenizerJson', t._backend; "
         "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; "
         "assert not bad, bad"
     )

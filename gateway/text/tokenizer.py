@@ -79,28 +79,6 @@ class _Transformers:
         return rendered
 
 
-class _Json:
-    """A tokenizer read from tokenizer.json alone (``gateway.text.tokenizer_json``)."""
-
-    def __init__(self, tok: TokenizerJson) -> None:
-        self._tok = tok
-        self.eos_token_id = tok.eos_token_id
-        self.all_special_ids = tok.all_special_ids
-
-    def has_chat_template(self) -> bool:
-        return self._tok.chat_template is not None
-
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return self._tok.encode(text, add_special_tokens)
-
-    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool) -> str:
-        return self._tok.decode(token_ids, skip_special_tokens)
-
-    def render(self, messages: list[dict[str, str]]) -> str:
-        assert self._tok.chat_template is not None, "callers check has_chat_template first"
-        return self._tok.chat_template.render(messages, add_generation_prompt=True)
-
-
 class Tokenizer:
     """A model's tokenizer plus the thread that runs it. ``close`` may be called twice."""
 
@@ -119,7 +97,7 @@ class Tokenizer:
         name = gguf_file or directory.name
         reason = "a GGUF file" if gguf_file is not None else why_not_plain(directory)
         if reason is None:
-            return cls(_Json(TokenizerJson(directory)), name)
+            return cls(TokenizerJson(directory), name)
         logger.info("tokenizer of %s: loading through transformers (%s)", name, reason)
         from transformers import AutoTokenizer
 

@@ -153,6 +153,14 @@ class TokenizerJson:
         assert token_id is not None, f"{token!r} was checked to be an added token"
         return int(token_id)
 
+    def has_chat_template(self) -> bool:
+        return self.chat_template is not None
+
+    def render(self, messages: list[dict[str, str]]) -> str:
+        """The conversation ending with the assistant's turn header."""
+        assert self.chat_template is not None, "callers check has_chat_template first"
+        return self.chat_template.render(messages, add_generation_prompt=True)
+
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self._rust.encode(text, add_special_tokens=add_special_tokens).ids)
 
