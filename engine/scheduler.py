@@ -218,7 +218,11 @@ class Scheduler:
         admitted = len(self.running) + len(self.remote)
         if admitted >= self.max_num_seqs:
             return f"no free sequence slot for request {rid} (max_num_seqs={self.max_num_seqs})"
-        need = self._blocks_for(req.num_prompt_tokens)
+        # Leading blocks another request holds are shared, not taken from the free list
+        # (cached blocks nobody holds are in it, and sharing revives them): counting them
+        # as fresh refused or queued a follow-up turn whose history a running turn holds.
+        live = sum(1 for b in self._match_prefix(req) if self.pool.ref_count(b) > 0)
+        need = self._blocks_for(req.num_prompt_tokens) - live
         in_flight = frozenset().union(*self._writing.values())
         settling = sum(1 for b in in_flight if self.pool.ref_count(b) == 0)
         free = self.pool.num_free
@@ -254,8 +258,8 @@ class Scheduler:
     def _grant(self, req: Request) -> list[int]:
         """Blocks for the whole prompt: the leading ones this engine's prefix cache holds
         (shared, ``req.num_reused_blocks`` of them: the prefill worker need not send
-        them), then fresh ones for the rest. ``_refusal`` counted every block as fresh,
-        so the allocation cannot fail."""
+        them), then fresh ones for the rest. ``_refusal`` counted every block that does not
+        come from another request's hold, so the allocation cannot fail."""
         in_flight = frozenset().union(*self._writing.values())
         hits = self._match_prefix(req)
         self.pool.share(hits)

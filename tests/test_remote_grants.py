@@ -146,3 +146,40 @@ def test_a_remote_grant_reuses_nothing_without_prefix_caching() -> None:
     _cache_prompt(sched, history)
     r = make_request("r", history + [1, 2])
     assert len(sched.reserve_remote(r)) == 6 and r.num_reused_blocks == 0
+
+
+def test_a_follow_up_whose_history_a_running_turn_holds_needs_only_its_new_blocks() -> None:
+    # 12 blocks; the first turn holds 7 (its 20-token history is 5 full, shared-able ones).
+    sched = make_scheduler(num_blocks=12, block_size=4, max_num_batched_tokens=64)
+    history = list(range(10, 30))
+    first = make_request("first", history + list(range(40, 46)), max_tokens=8)
+    blocks = sched.reserve_remote(first)
+    assert sched.remote_kv_ready("first", 7, sched.pool.generation(blocks)) is None
+    assert sched.pool.num_free == 5
+    # A follow-up on the same history needs 7 blocks for its 26 tokens, but 5 of them are
+    # the first turn's: it takes 2 from the free list and is granted at once.
+    follow_up = make_request("follow-up", history + list(range(50, 56)))
+    got = sched.reserve_remote(follow_up)
+    assert got[:5] == blocks[:5] and follow_up.num_reused_blocks == 5
+    assert sched.pool.num_free == 3
+    # Cached blocks nobody holds still count against the free list: once both turns end
+    # they are free again, and a prompt that needs more than the pool is still refused.
+    sched.abort("first")
+    sched.abort("follow-up")
+    assert sched.pool.num_free == 12
+    too_big = make_request("too-big", history + list(range(60, 90)))  # 50 tokens: 13 blocks
+    with pytest.raises(ValueError, match="KV blocks"):
+        sched.reserve_remote(too_big)
+
+
+def test_a_follow_up_on_cached_but_unheld_history_counts_those_blocks() -> None:
+    sched = make_scheduler(num_blocks=8, block_size=4, max_num_batched_tokens=64)
+    history = list(range(10, 30))  # 5 full blocks, cached once "earlier" ends
+    _cache_prompt(sched, history)
+    hog = sched.reserve_remote(make_request("hog", list(range(100, 108))))  # 2 blocks
+    assert len(hog) == 2 and sched.pool.num_free == 6
+    # 26 tokens: 5 cached blocks nobody holds (each revived out of the free list) + 2
+    # fresh = 7 > 6 free: refused, and nothing was taken.
+    with pytest.raises(ResourceExhaustedError, match=r"7 needed, 6 free"):
+        sched.reserve_remote(make_request("r", history + list(range(40, 46))))
+    assert sched.pool.num_free == 6
