@@ -12,13 +12,11 @@ tagged with its ``index``; closing the stream aborts every choice still running.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
 
 from engine.request import RequestOutput
-
-_END = object()
+from engine.stream_merge import StreamMerge
 
 
 async def fan_out(
@@ -35,38 +33,16 @@ async def fan_out(
             async for out in first:
                 yield out
         return
-    queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
-    tasks: list[asyncio.Task[None]] = []
-
-    async def pump(index: int, outputs: AsyncIterator[RequestOutput]) -> None:
-        try:
-            async with contextlib.aclosing(outputs):  # type: ignore[type-var]
-                async for out in outputs:
-                    out.index = index
-                    if index:  # the prompt's phases are choice 0's; a choice's own tail is not
-                        out.timings = None
-                    await queue.put((index, out))
-                    if index == 0 and len(tasks) == 1:
-                        for i in range(1, n):
-                            tasks.append(asyncio.create_task(pump(i, start(i))))
-        except BaseException as exc:  # handed to the consumer, which raises it
-            await queue.put((index, exc))
-            return
-        await queue.put((index, _END))
-
-    tasks.append(asyncio.create_task(pump(0, first)))
-    open_choices = n
-    try:
-        while open_choices:
-            _, item = await queue.get()
-            if item is _END:
-                open_choices -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                assert isinstance(item, RequestOutput)
-                yield item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    merge: StreamMerge[RequestOutput] = StreamMerge()
+    merge.add(0, first)
+    started = False
+    async with contextlib.aclosing(merge.items()) as items:
+        async for index, out in items:
+            out.index = index
+            if index:  # the prompt's phases are choice 0's; a choice's own tail is not
+                out.timings = None
+            elif not started:
+                started = True
+                for i in range(1, n):
+                    merge.add(i, start(i))
+            yield out

@@ -14,16 +14,14 @@ the request's one stream, each tagged with its choice's ``index``.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
 
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.stream_merge import StreamMerge
 from gateway.routing.migration import StreamProgress
-
-_END = object()
 
 
 @dataclass(slots=True)
@@ -65,32 +63,10 @@ async def merge_choices(
 ) -> AsyncGenerator[RequestOutput, None]:
     """The outputs of every choice's stream as they come, each tagged with its choice;
     an error in one ends the whole with it, and closing it closes every stream."""
-    queue: asyncio.Queue[object] = asyncio.Queue()
-
-    async def pump(index: int, outputs: AsyncGenerator[RequestOutput, None]) -> None:
-        try:
-            async with contextlib.aclosing(outputs):
-                async for out in outputs:
-                    out.index = index
-                    await queue.put(out)
-        except BaseException as exc:  # handed to the consumer, which raises it
-            await queue.put(exc)
-            return
-        await queue.put(_END)
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in streams.items()]
-    open_streams = len(tasks)
-    try:
-        while open_streams:
-            item = await queue.get()
-            if item is _END:
-                open_streams -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                assert isinstance(item, RequestOutput)
-                yield item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    merge: StreamMerge[RequestOutput] = StreamMerge()
+    for index, stream in streams.items():
+        merge.add(index, stream)
+    async with contextlib.aclosing(merge.items()) as items:
+        async for index, out in items:
+            out.index = index
+            yield out
