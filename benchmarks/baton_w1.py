@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -124,17 +125,32 @@ async def async_w1(
     return TimedPass(wall, outputs, busy, steps)
 
 
-def _single_stream(core: EngineCore, prompt_len: int, new_tokens: int) -> float:
-    """Decode tokens/s of one sequence, first token to last (the prefill is excluded)."""
+# Plain reads of memory timed just before and just after the single stream, each side.
+READS_AROUND_STREAM = 5
+
+
+def _single_stream(
+    core: EngineCore, prompt_len: int, new_tokens: int, read_mib: int
+) -> tuple[float, float]:
+    """Decode tokens/s of one sequence, first token to last (the prefill is excluded), and
+    the median rate of plain reads of memory taken right before and right after it.
+
+    The reads bracket the stream by a second or two, so a host whose memory bandwidth
+    drifts during a long run (other tenants) gives the stream's own yardstick, where one
+    read at the start of the run may come from another moment.
+    """
+    reader = common.MemoryReader(read_mib)
     prompt = common.fixed_prompt(common.SINGLE_STREAM_SEED, prompt_len)
+    reads = reader.rates(READS_AROUND_STREAM)
     core.add_request(core.make_request("single-stream", prompt, _params(new_tokens)))
     times: list[float] = []
     while core.has_work():
         for out in core.step():
             times.extend(time.perf_counter() for _ in out.new_token_ids)
+    reads += reader.rates(READS_AROUND_STREAM)
     if len(times) != new_tokens:
         raise RuntimeError(f"single stream produced {len(times)} tokens, expected {new_tokens}")
-    return (new_tokens - 1) / (times[-1] - times[0])
+    return (new_tokens - 1) / (times[-1] - times[0]), statistics.median(reads)
 
 
 def run_baton(spec: RunSpec) -> RunResult:
@@ -147,9 +163,11 @@ def run_baton(spec: RunSpec) -> RunResult:
     else:
         raise ValueError(f"baton mode must be 'sync' or 'async', got {spec.mode!r}")
     common.check_output_lengths(requests, timed.outputs)
-    single = None
+    single = single_read = None
     if spec.mode == "sync" and spec.single_new_tokens > 1:
-        single = _single_stream(core, spec.single_prompt_len, spec.single_new_tokens)
+        single, single_read = _single_stream(
+            core, spec.single_prompt_len, spec.single_new_tokens, spec.read_mib
+        )
     stats = core.stats()
     return RunResult(
         engine="baton",
@@ -162,6 +180,7 @@ def run_baton(spec: RunSpec) -> RunResult:
         generated_tokens=sum(len(v) for v in timed.outputs.values()),
         busy_fraction=timed.busy_s / timed.wall_s,
         single_decode_tok_s=single,
+        single_read_bytes_per_s=single_read,
         self_peak_rss_bytes=common.self_peak_rss_bytes(),
         outputs_digest=common.outputs_digest(timed.outputs),
         extra={

@@ -95,6 +95,8 @@ class RunSpec:
     # Single-stream figure run after the W1 run in the same child; 0 new tokens skips it.
     single_prompt_len: int = 256
     single_new_tokens: int = 128
+    # Size of the plain read timed around the single stream (the harness's --memcpy-mib).
+    read_mib: int = 512
     # baton: EngineConfig.cpu_kernels (how the CPU linear kernels are chosen).
     cpu_kernels: str = "auto"
     # baton: EngineConfig.deterministic (--deterministic; its rows' mode ends "-det").
@@ -125,6 +127,9 @@ class RunResult:
     busy_fraction: float | None = None
     # Single-stream decode rate, first token to last (prefill excluded).
     single_decode_tok_s: float | None = None
+    # Median rate of the plain reads of memory taken just before and just after the single
+    # stream, in the same process (the yardstick at the moment the stream ran).
+    single_read_bytes_per_s: float | None = None
     # The child's own VmHWM, read just before it exits.
     self_peak_rss_bytes: int = 0
     # Filled in by the harness from its 10 Hz sampling of the child's process tree.
@@ -366,24 +371,36 @@ def memcpy_bytes_per_s(size_mib: int, threads: int, repeats: int = 5) -> float:
     return src.numel() / best
 
 
-def read_bytes_per_s(size_mib: int, threads: int, repeats: int = 5) -> float:
-    """Best-of-``repeats`` rate of reading a large tensor once (an int64 sum, which the
-    threads' vector units finish faster than memory delivers), in bytes read per second.
+class MemoryReader:
+    """Times plain reads of a large tensor (an int64 sum, which the threads' vector units
+    finish faster than memory delivers), in bytes read per second.
 
     What a batch-1 decode step needs is this: every weight read once, nothing written.
     A copy moves each byte twice (read and write), so the memcpy rate understates it.
     """
+
+    def __init__(self, size_mib: int) -> None:
+        import torch
+
+        self._src = torch.ones(size_mib * 2**20 // 8, dtype=torch.int64)
+        self._src.sum()  # pages in, threads up
+
+    def rates(self, repeats: int) -> list[float]:
+        """The rate of each of ``repeats`` reads, in order."""
+        got = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            self._src.sum()
+            got.append(self._src.numel() * 8 / (time.perf_counter() - t0))
+        return got
+
+
+def read_bytes_per_s(size_mib: int, threads: int, repeats: int = 5) -> float:
+    """Best-of-``repeats`` rate of a plain read of ``size_mib`` (``MemoryReader``)."""
     import torch
 
     torch.set_num_threads(threads)
-    src = torch.ones(size_mib * 2**20 // 8, dtype=torch.int64)
-    src.sum()  # pages in, threads up
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        src.sum()
-        best = min(best, time.perf_counter() - t0)
-    return src.numel() * 8 / best
+    return max(MemoryReader(size_mib).rates(repeats))
 
 
 # -- tables ---------------------------------------------------------------------------

@@ -143,12 +143,16 @@ def w1_section(path: Path) -> list[str]:
                 fmt(s.get("read_bound_tok_s")),
                 "-" if not s.get("read_bound_tok_s")
                 else f"{s['baton_tok_s'] / s['read_bound_tok_s']:.2f}",
+                "-" if s.get("around_read_bytes_per_s") is None
+                else f"{s['around_read_bytes_per_s'] / 1e9:.1f}",
+                fmt(s.get("around_ratio"), 2),
             ]
             for s in singles
         ]  # fmt: skip
         headers = (
             "dtype", "baton decode tok/s", "memcpy GB/s", "floor tok/s", "read GB/s",
-            "read-bound tok/s", "baton / read-bound",
+            "read-bound tok/s", "baton / read-bound", "read around stream GB/s",
+            "baton / read around stream",
         )  # fmt: skip
         lines += [
             "",
@@ -156,7 +160,10 @@ def w1_section(path: Path) -> list[str]:
             f" {opts.get('single_new_tokens', '?')} new tokens), decode tok/s against the"
             " weight-read floor (the memcpy rate measured at the start of the run / weight"
             " bytes) and against the read bound (a plain read of memory at the same threads"
-            " / weight bytes: no batch-1 step that reads every weight once goes faster):",
+            " / weight bytes: no batch-1 step that reads every weight once goes faster),"
+            " read once at the start of the run and, where measured, just before and after"
+            " each stream (median; the ratio is the median over runs of each stream against"
+            " its own reads):",
             "",
             markdown_table(headers, rows),
         ]

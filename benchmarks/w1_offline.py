@@ -27,6 +27,7 @@ import datetime as dt
 import json
 import logging
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -90,6 +91,7 @@ def _spec(
         hf_batch_size=opts.hf_batch_size,
         single_prompt_len=opts.single_prompt_len,
         single_new_tokens=opts.single_new_tokens if mode in ("sync", "static") else 0,
+        read_mib=opts.memcpy_mib,
         cpu_kernels=opts.cpu_kernels,
         deterministic=deterministic,
     )
@@ -165,14 +167,28 @@ def run_all(opts: Options) -> tuple[list[RunResult], list[SingleStream], list[st
                     + ("the same." if det_digests == digests else "other ids (bf16 greedy "
                        "near-ties break another way under another summation order).")
                 )  # fmt: skip
+            weight_bytes = common.weight_bytes(opts.model_dir, dtype)
+            around = [
+                (r.single_decode_tok_s, r.single_read_bytes_per_s)
+                for r in (sync.runs if sync else ())
+                if r.single_decode_tok_s and r.single_read_bytes_per_s
+            ]
             singles.append(
                 SingleStream(
                     dtype=dtype,
                     baton_tok_s=sync.single_decode_tok_s if sync else None,
                     hf_tok_s=hf.single_decode_tok_s if hf else None,
-                    weight_bytes=common.weight_bytes(opts.model_dir, dtype),
+                    weight_bytes=weight_bytes,
                     memcpy_bytes_per_s=copy_rate,
                     read_bytes_per_s=read_rate,
+                    around_read_bytes_per_s=(
+                        statistics.median(b for _, b in around) if around else None
+                    ),
+                    around_ratio=(
+                        statistics.median(t * weight_bytes / b for t, b in around)
+                        if around
+                        else None
+                    ),
                 )
             )
     return results, singles, notes
@@ -221,7 +237,10 @@ def settings_notes(opts: Options) -> list[str]:
         " time - first token time). floor = memcpy rate / bytes of all weights in the dtype;"
         " read-bound = the rate of a plain read of memory (an int64 sum over the same bytes"
         " as the memcpy, same threads) / those bytes, the most a batch-1 step that reads"
-        " every weight once can reach.",
+        " every weight once can reach, with the read timed once (best of 5) at the start of"
+        " the run. read around stream: the median of 5 such reads just before and 5 just"
+        " after each baton sync run's stream, in its process; baton/read around stream: the"
+        " median over runs of each stream's rate over the bound its own reads give.",
     ]
     if opts.vllm_python is None:
         notes.append(opts.vllm_skip_reason)

@@ -30,6 +30,10 @@ class SingleStream:
     weight_bytes: int
     memcpy_bytes_per_s: float
     read_bytes_per_s: float | None = None  # absent from runs before it was measured
+    # Median over the runs of each run's reads around its own stream, and the median over
+    # the runs of each stream's rate over its own reads' bound (absent before measured).
+    around_read_bytes_per_s: float | None = None
+    around_ratio: float | None = None
 
     @property
     def floor_tok_s(self) -> float:
@@ -132,7 +136,7 @@ RUN_HEADERS = (
 SINGLE_HEADERS = (
     "dtype", "baton decode tok/s", "HF decode tok/s", "weights MB", "memcpy GB/s",
     "floor tok/s", "baton/floor", "read GB/s", "read-bound tok/s", "baton/read-bound",
-    "baton/HF",
+    "read around stream GB/s", "baton/read around stream", "baton/HF",
 )  # fmt: skip
 
 
@@ -180,6 +184,8 @@ def single_table(singles: Sequence[SingleStream]) -> str:
             "-" if s.read_bytes_per_s is None else f"{s.read_bytes_per_s / 1e9:.1f}",
             fmt(s.read_bound_tok_s),
             _plain_ratio(s.baton_tok_s, s.read_bound_tok_s),
+            "-" if s.around_read_bytes_per_s is None else f"{s.around_read_bytes_per_s / 1e9:.1f}",
+            fmt(s.around_ratio, 2),
             _plain_ratio(s.baton_tok_s, s.hf_tok_s),
         ]  # fmt: skip
         for s in singles

@@ -9,7 +9,10 @@ load records and the busy-machine rule; it asserts nothing about speed.
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
+
+import pytest
 
 from benchmarks import common, provenance, w1_offline, w1_report
 from engine.kernels.route_table import ROW_CLASSES
@@ -93,6 +96,15 @@ def test_harness_runs_all_engines_and_writes_tables(tmp_path: Path) -> None:
     assert single["baton_tok_s"] > 0 and single["hf_tok_s"] > 0 and single["floor_tok_s"] > 0
     assert single["read_bound_tok_s"] > 0
     assert single["weight_bytes"] > 0
+    # Each sync run's stream over the bound its own surrounding reads give, then the median.
+    syncs = [r for r in raw["results"] if (r["engine"], r["mode"]) == ("baton", "sync")]
+    assert len(syncs) == 2 and all(r["single_read_bytes_per_s"] > 0 for r in syncs)
+    ratios = [r["single_decode_tok_s"] * single["weight_bytes"] / r["single_read_bytes_per_s"]
+              for r in syncs]  # fmt: skip
+    assert single["around_ratio"] == pytest.approx(statistics.median(ratios))
+    assert single["around_read_bytes_per_s"] == pytest.approx(
+        statistics.median(r["single_read_bytes_per_s"] for r in syncs)
+    )
 
 
 def test_deterministic_runs_are_set_beside_the_default_ones() -> None:
