@@ -42,7 +42,7 @@ def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> tuple[list[
     tokens: list[int] = []
     logits: list[torch.Tensor] = []
     for _ in range(max_new_tokens):
-        out = model(input_ids=ids, cache=past, use_cache=True)
+        out = model(input_ids=ids, cache=past, use_cache=True, logits_to_keep=1)
         past = out.cache
         step = out.logits[0, -1].float()
         logits.append(step)
@@ -50,6 +50,52 @@ def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> tuple[list[
         tokens.append(nxt)
         ids = torch.tensor([[nxt]])
     return tokens, torch.stack(logits)
+
+
+# Prompts per batch of hf_greedy_many: a batch-1 HF decode step on CPU reads every weight
+# for one token, so up to here a batch costs about what one prompt does.
+HF_BATCH = 8
+
+
+@torch.inference_mode()
+def hf_greedy_many(
+    model: Any, prompts: list[list[int]], max_new_tokens: int
+) -> list[tuple[list[int], torch.Tensor]]:
+    """``hf_greedy`` of each prompt, in order, run as left-padded batches of prompts of
+    similar length (HF_BATCH at a time) with an attention mask and explicit positions.
+
+    A padded row's logits equal its own unpadded forward's up to fp32 summation order
+    (the masked keys add exact zeros), which ``compare_greedy``'s tie margin covers.
+    """
+    results: list[tuple[list[int], torch.Tensor] | None] = [None] * len(prompts)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    for start in range(0, len(order), HF_BATCH):
+        rows = order[start : start + HF_BATCH]
+        width = max(len(prompts[i]) for i in rows)
+        ids = torch.tensor([[0] * (width - len(prompts[i])) + prompts[i] for i in rows])
+        mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in rows])
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        past = None
+        steps: list[torch.Tensor] = []
+        for _ in range(max_new_tokens):
+            out = model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=positions,
+                cache=past,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            past = out.cache
+            step = out.logits[:, -1].float()
+            steps.append(step)
+            ids = step.argmax(-1, keepdim=True)
+            mask = torch.cat([mask, torch.ones_like(ids)], dim=1)
+            positions = positions[:, -1:] + 1
+        logits = torch.stack(steps, dim=1)  # [rows, steps, vocab]
+        for r, i in enumerate(rows):
+            results[i] = ([int(t) for t in logits[r].argmax(-1)], logits[r])
+    return [r for r in results if r is not None]
 
 
 # A divergence from HF counts as a tie only where HF's two best logits are this close:

@@ -13,7 +13,7 @@ import pytest
 from engine.model_files import ModelFiles
 from gateway.launcher import ClusterSpec, LocalCluster
 from protos.client import AsyncClient, FinishReason, SamplingParams
-from tests.engine_helpers import compare_greedy, hf_greedy, hf_model
+from tests.engine_helpers import compare_greedy, hf_greedy_many, hf_model
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +32,7 @@ def prompts() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def reference(smollm2: ModelFiles, prompts: list[list[int]]) -> list[tuple[list[int], Any]]:
     hf = hf_model(smollm2.path)
-    return [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    return hf_greedy_many(hf, prompts, NEW_TOKENS)
 
 
 @pytest.fixture(

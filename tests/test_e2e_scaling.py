@@ -47,7 +47,7 @@ from tests.e2e_helpers import (
     wait_settled,
     worker_stats,
 )
-from tests.engine_helpers import compare_greedy, hf_greedy, hf_model
+from tests.engine_helpers import compare_greedy, hf_greedy_many, hf_model
 
 MAX_TOKENS = 24
 # The stream in flight while the gateway drains: long enough (a second or more of the
@@ -61,7 +61,7 @@ EXIT_S = 60.0  # a draining worker's longest way out here (grace 30 s, plus star
 @pytest.fixture(scope="module")
 def reference(tiny_llama: Path) -> list[tuple[list[int], object]]:
     model = hf_model(tiny_llama)
-    return [hf_greedy(model, p, MAX_TOKENS) for p in PROMPTS]
+    return hf_greedy_many(model, PROMPTS, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")

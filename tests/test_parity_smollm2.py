@@ -14,7 +14,7 @@ import pytest
 
 from engine.model_files import ModelFiles, load_tokenizer
 from engine.sampling_params import SamplingParams
-from tests.engine_helpers import compare_greedy, hf_greedy, hf_model, make_core
+from tests.engine_helpers import compare_greedy, hf_greedy_many, hf_model, make_core
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +49,7 @@ def prompts(smollm2: ModelFiles) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def reference(smollm2: ModelFiles, prompts: list[list[int]]) -> list[tuple[list[int], Any]]:
     hf = hf_model(smollm2.path)
-    return [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    return hf_greedy_many(hf, prompts, NEW_TOKENS)
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.sampling_params import SamplingParams
-from tests.engine_helpers import hf_greedy, hf_model, make_core
+from tests.engine_helpers import compare_greedy, hf_greedy, hf_greedy_many, hf_model, make_core
 from tests.factories import make_tiny_model_dir
 
 
@@ -74,3 +74,19 @@ def test_greedy_tokens_match_hf_for_each_arch(tmp_path: Path, arch: str) -> None
     for p, o in zip(prompts, ours, strict=True):
         ref, _ = hf_greedy(hf, p, 12)
         assert o == ref
+
+
+@torch.inference_mode()
+def test_batched_hf_reference_equals_each_prompt_run_alone(tiny_llama: Path) -> None:
+    """The e2e tests' batched HF reference (left padding, a mask, explicit positions) gives
+    what HF gives each prompt alone: the same tokens, logits within fp32 rounding."""
+    hf = hf_model(tiny_llama)
+    prompts = _prompts(11, seed=4)  # two batches, each padded to its longest prompt
+    assert len({len(p) for p in prompts}) > 5
+    many = hf_greedy_many(hf, prompts, 6)
+    assert len(many) == len(prompts)
+    for p, (tokens, logits) in zip(prompts, many, strict=True):
+        ref, ref_logits = hf_greedy(hf, p, 6)
+        assert compare_greedy(tokens, ref, ref_logits) == "equal"
+        rel = (logits - ref_logits).abs().max() / ref_logits.abs().max()
+        assert rel < 1e-4, f"prompt of {len(p)}: relative error {rel:.2e}"
