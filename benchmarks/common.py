@@ -21,7 +21,7 @@ import struct
 import subprocess
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -393,6 +393,20 @@ class MemoryReader:
             self._src.sum()
             got.append(self._src.numel() * 8 / (time.perf_counter() - t0))
         return got
+
+
+def interleaved_times(passes: dict[str, Callable[[], object]], reps: int) -> dict[str, list[float]]:
+    """Seconds of each pass over ``reps`` rounds, every pass once a round in turn (after one
+    warm-up call each), so that noise from other work on the machine hits all alike."""
+    times: dict[str, list[float]] = {name: [] for name in passes}
+    for fn in passes.values():
+        fn()
+    for _ in range(reps):
+        for name, fn in passes.items():
+            began = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - began)
+    return times
 
 
 def read_bytes_per_s(size_mib: int, threads: int, repeats: int = 5) -> float:

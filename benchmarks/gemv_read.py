@@ -25,13 +25,12 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import markdown_table
+from benchmarks.common import interleaved_times, markdown_table
 from benchmarks.provenance import header_lines, publish
 from engine.huge_pages import HugePageArena, huge_page_bytes
 from engine.kernels.cpu import cpu_kernels
@@ -82,15 +81,8 @@ def main() -> None:
     for w, h in zip(small[:3], huge[:3], strict=True):  # the layouts compute the same
         assert torch.equal(gemv(xs[w.shape[1]], w, None), gemv(xs[h.shape[1]], h, None))
     load_before = os.getloadavg()
-    times: dict[str, list[float]] = {name: [] for name in passes}
     with torch.inference_mode():
-        for fn in passes.values():
-            fn()  # warm-up
-        for _ in range(args.reps):
-            for name, fn in passes.items():
-                began = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - began)
+        times = interleaved_times(passes, args.reps)
     load_after = os.getloadavg()
     rate = {name: sorted(nbytes / t / 1e9 for t in ts) for name, ts in times.items()}
     med = {name: statistics.median(r) for name, r in rate.items()}

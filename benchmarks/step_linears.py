@@ -25,12 +25,11 @@ import os
 import random
 import statistics
 import sys
-import time
 from collections.abc import Callable
 
 import torch
 
-from benchmarks.common import MemoryReader, markdown_table
+from benchmarks.common import MemoryReader, interleaved_times, markdown_table
 from benchmarks.provenance import header_lines, publish
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
@@ -101,15 +100,8 @@ def main(argv: list[str] | None = None) -> None:
         "read": lambda: core.runner.compute.call(lambda: reader.rates(1)),
     }
     load_before = os.getloadavg()
-    times: dict[str, list[float]] = {name: [] for name in passes}
     with torch.inference_mode():
-        for fn in passes.values():
-            fn()  # warm-up
-        for _ in range(args.reps):
-            for name, fn in passes.items():
-                began = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - began)
+        times = interleaved_times(passes, args.reps)
     load_after = os.getloadavg()
     med = {name: statistics.median(ts) for name, ts in times.items()}
     nbytes = {"step": total, "linears": total, "read": total} | sizes
