@@ -40,8 +40,23 @@ def _segments_mapped(pid: int) -> set[str]:
         return {line.split("/dev/shm/")[1].strip() for line in maps if "/dev/shm/baton_kv" in line}
 
 
-def _threads(pid: int) -> int:
-    return len(list(Path(f"/proc/{pid}/task").iterdir()))
+def _thread_names(pid: int) -> list[str]:
+    """The process's OS thread names, sorted."""
+    names = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            names.append((task / "comm").read_text().strip())
+    return sorted(names)
+
+
+# The threads a gloo process group runs (its device's TCP loop, its work loops), as
+# gloo names them. gRPC's event-engine pool grows and shrinks with load, so a count of
+# all threads said nothing about connections.
+_GLOO_THREADS = ("gloo_tcp_loop", "pt_gloo_runloop")
+
+
+def _gloo_threads(pid: int) -> int:
+    return sum(1 for name in _thread_names(pid) if name in _GLOO_THREADS)
 
 
 @pytest.mark.parametrize("transport", ["shm", "gloo"])
@@ -70,8 +85,14 @@ def test_decode_restart_on_the_same_address_under_traffic(tiny_llama: Path, tran
 
                 flows = [asyncio.create_task(traffic()) for _ in range(4)]
                 await asyncio.sleep(1.0)
+
+                async def served() -> bool:  # the link to the old incarnation is built
+                    return any(o.code.name == "OK" for o in outcomes)
+
+                await wait_for(served, "a request served by the first incarnation", timeout=30)
                 old_segments = _segments_mapped(prefill_pid)
-                threads_before = _threads(prefill_pid)
+                threads_before = _gloo_threads(prefill_pid)
+                names_before = _thread_names(prefill_pid)
                 await asyncio.to_thread(_restart, cluster, decode)
                 after = await wait_for(
                     lambda: _stats_if_new(decode, before.incarnation_id),
@@ -90,7 +111,7 @@ def test_decode_restart_on_the_same_address_under_traffic(tiny_llama: Path, tran
                 def clean() -> bool:
                     if transport == "shm":
                         return not (old_segments & _segments_mapped(prefill_pid))
-                    return _threads(prefill_pid) <= threads_before
+                    return _gloo_threads(prefill_pid) <= threads_before
 
                 deadline = time.monotonic() + 10
                 while not clean() and time.monotonic() < deadline:
@@ -98,7 +119,10 @@ def test_decode_restart_on_the_same_address_under_traffic(tiny_llama: Path, tran
                 if transport == "shm":
                     assert old_segments and not (old_segments & _segments_mapped(prefill_pid))
                 else:
-                    assert _threads(prefill_pid) <= threads_before
+                    names_after = _thread_names(prefill_pid)
+                    assert threads_before and _gloo_threads(prefill_pid) <= threads_before, (
+                        f"threads before: {names_before}; after: {names_after}"
+                    )
                 await wait_settled(cluster.live_workers(), logs=cluster.logs)
 
         asyncio.run(run())
