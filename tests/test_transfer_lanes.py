@@ -4,22 +4,25 @@ A prefill worker sends to many decode workers from one sender. A receiver that s
 answering (it never gives a verdict on the hello) or whose address has become a black
 hole (a deleted pod's IP, which the link probe waits on) must not delay a transfer to
 any other receiver, and the silent one's job ends, retryably, after the connect timeout
-rather than at the job's deadline.
+rather than at the job's deadline. A failed send's error, which travels on to the
+request's handler, does not keep the link's process group alive through its frames.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
 
-from engine.errors import AbortedError
+from engine.errors import AbortedError, UnavailableError
 from engine.kv_layout import KVLayout
 from engine.transfer.base import KVDescriptor, KVEndpoint, SendJob, TransferConfig
 from engine.transfer.factory import make_receiver, make_sender
@@ -171,4 +174,54 @@ def test_lanes_run_side_by_side_and_end_when_idle() -> None:
             time.sleep(0.02)
         assert sender.num_links == 0
     finally:
+        sender.close()
+
+
+class _Held:
+    """Stands for a link's process group: what a failed send's frames must let go of."""
+
+
+class _FailingLink(PeerLink):
+    incarnation = "fake"
+
+    def __init__(self, held: list[weakref.ref[_Held]]) -> None:
+        self._held = held
+
+    def send(self, job: SendJob, stop: StopCheck) -> tuple[int, int]:
+        group = _Held()  # a local of the failing frame, as GlooLink._send's ``pg`` is
+        self._held.append(weakref.ref(group))
+        try:
+            raise RuntimeError("connection reset by peer")
+        except RuntimeError as exc:
+            self.broken = True
+            raise UnavailableError(f"request {job.request_id}: peer lost ({exc})") from exc
+
+    def close(self) -> None:
+        pass
+
+
+class _FailingSender(QueuedSender):
+    kind = "fake"
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        self.held: list[weakref.ref[_Held]] = []
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+    def _connect(self, endpoint: KVEndpoint, deadline: float) -> PeerLink:
+        return _FailingLink(self.held)
+
+
+def test_a_failed_send_reports_its_error_without_holding_the_links_state() -> None:
+    layout = small_layout()
+    sender = _FailingSender(random_pool(layout, 4, seed=1), layout, TransferConfig())
+    gc.disable()  # a reference cycle would otherwise be collected by chance
+    try:
+        sender.submit(_job(layout, "a", "lost"))
+        failed = wait_for(sender.poll)
+        assert isinstance(failed.error, UnavailableError) and "peer lost" in str(failed.error)
+        assert failed.error.__traceback__ is not None  # where it failed is still told
+        (held,) = sender.held
+        assert held() is None, "the failed send's frames still hold the link's state"
+    finally:
+        gc.enable()
         sender.close()

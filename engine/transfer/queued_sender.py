@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import traceback
 import uuid
 from abc import ABC, abstractmethod
 from collections import deque
@@ -338,6 +339,10 @@ class QueuedSender(KVSender):
             logger.warning(
                 "request %s: transfer to %s failed: %s", job.request_id, endpoint.address, exc
             )
+            # The error travels to the request's handler and may sit in a reference cycle
+            # until a full collection; its frames must not keep the link's process group
+            # (and its threads and sockets) alive that long.
+            _drop_frame_locals(exc)
             return _failed(job, exc)
         except Exception as exc:  # a backend bug or torch error: report it typed, keep serving
             logger.exception("request %s: transfer to %s crashed", job.request_id, endpoint.address)
@@ -413,6 +418,20 @@ def _send_args(job: SendJob, completion: SendCompletion) -> dict[str, object]:
     if completion.error is not None:
         args["error"] = type(completion.error).__name__
     return args
+
+
+def _drop_frame_locals(exc: BaseException) -> None:
+    """Clear the locals of the finished frames ``exc`` and the errors chained to it hold;
+    their tracebacks (files, lines) stay."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        todo += [e.__cause__, e.__context__]
 
 
 def _failed(job: SendJob, error: BatonError) -> SendCompletion:
