@@ -34,7 +34,7 @@ import torch
 from benchmarks.common import markdown_table
 from benchmarks.provenance import REPO, header_lines, publish
 from engine.huge_pages import zeros_on_huge_pages
-from engine.kernels.cpu import CXX_FLAGS, cpu_kernels
+from engine.kernels.cpu import cpu_kernels, cxx_flags
 
 LAYERS, KV_HEADS, HEADS, HEAD_DIM, BLOCK, ROWS = 30, 3, 9, 64, 16, 64
 HEADER = [
@@ -67,7 +67,7 @@ def _build_against(rev: str, where: Path) -> Callable:
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     subprocess.run(
         [
-            os.environ.get("CXX", "c++"), *CXX_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            os.environ.get("CXX", "c++"), *cxx_flags(), f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
             *(f"-I{p}" for p in include_paths()), str(where / "against.cpp"),
             *(f"-L{p}" for p in library_paths()), "-lc10", "-ltorch_cpu", "-o", str(library),
         ],

@@ -14,6 +14,8 @@ import platform
 import subprocess
 from pathlib import Path
 
+from engine.kernels.cpu import MARCH_ENV
+
 REPO = Path(__file__).resolve().parent.parent
 
 # 1-minute load average above which a 2-core machine counts as busy: other work then
@@ -108,7 +110,11 @@ def isa_line(flags: dict[str, bool] | None = None) -> str:
     flags = isa_flags() if flags is None else flags
     have = " ".join(f if ok else f"no-{f}" for f, ok in flags.items())
     cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or "none"
-    return f"ISA: {host_kind(flags)}; flags {have}; ONEDNN_MAX_CPU_ISA: {cap}"
+    march = os.environ.get(MARCH_ENV) or "native"
+    return (
+        f"ISA: {host_kind(flags)}; flags {have}; ONEDNN_MAX_CPU_ISA: {cap}; "
+        f"kernels built for -march={march}"
+    )
 
 
 def is_busy(load: float, cpus: int | None = None) -> bool:
@@ -146,6 +152,9 @@ def publish(report: str, name: str, suffix: str = "", out: Path | None = None) -
     kinds the same day keep their own files); returns the path."""
     print(report)
     slug = host_slug(host_kind(isa_flags()))
+    march = os.environ.get(MARCH_ENV)
+    if march:  # kernels built for another ISA than the host's: a file of their own
+        slug += f"_march-{march}"
     path = out or RESULTS / f"{name}_{dt.date.today()}{suffix}_{slug}.md"
     path.write_text(report)
     print(f"wrote {path}")

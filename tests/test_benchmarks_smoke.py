@@ -184,3 +184,16 @@ def test_the_host_kind_follows_the_cpu_flags() -> None:
     assert provenance.host_kind(no_amx) == "AVX512-BF16 (no AMX)"
     assert "no-amx_tile" in provenance.isa_line(no_amx)
     assert provenance.host_kind(provenance.isa_flags("flags\t: avx2\n")) == "AVX2"
+
+
+def test_results_name_the_isa_the_kernels_were_built_for(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(provenance, "RESULTS", tmp_path)
+    monkeypatch.delenv("BATON_CPU_MARCH", raising=False)
+    assert provenance.isa_line().endswith("kernels built for -march=native")
+    native = provenance.publish("report", "probe")
+    assert native.parent == tmp_path and "_march-" not in native.name
+    monkeypatch.setenv("BATON_CPU_MARCH", "x86-64-v3")
+    assert provenance.isa_line().endswith("kernels built for -march=x86-64-v3")
+    assert provenance.publish("report", "probe").stem == native.stem + "_march-x86-64-v3"

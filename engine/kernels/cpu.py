@@ -9,6 +9,9 @@ process only loads it. Concurrent first builds serialize on a file lock; a faile
 leaves a marker so later processes fall back at once instead of compiling again.
 
 ``BATON_CPU_KERNELS=0`` disables the kernels (read when first asked, not at import).
+``BATON_CPU_MARCH`` names the instruction set to build for (``-march``; default
+``native``): ``x86-64-v3`` builds the AVX2 + FMA kernels on an AVX-512 host, which is how
+their tests and benchmarks run there, and how a fleet of mixed hosts shares one build.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -36,7 +40,6 @@ FAILED_MARKER = "build-failed.txt"
 # -ffp-contract=off keeps a*b + c*d as torch computes it, so rms_norm and rotary are exact.
 CXX_FLAGS = (
     "-O3",
-    "-march=native",
     "-fopenmp",
     "-ffp-contract=off",
     "-std=c++20",
@@ -45,6 +48,18 @@ CXX_FLAGS = (
     "-w",
 )
 BUILD_TIMEOUT_S = 600
+MARCH_ENV = "BATON_CPU_MARCH"
+_MARCH = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def cxx_flags() -> tuple[str, ...]:
+    """The compiler flags of this process's build: ``CXX_FLAGS`` and the ``-march`` of
+    ``BATON_CPU_MARCH`` (``native`` when unset). Raises ``ValueError`` naming the
+    variable for a value that is not an architecture name."""
+    march = os.environ.get(MARCH_ENV, "native")
+    if not _MARCH.fullmatch(march):
+        raise ValueError(f"{MARCH_ENV}={march!r} is not a -march value (e.g. native, x86-64-v3)")
+    return (*CXX_FLAGS, f"-march={march}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +112,7 @@ def _build_key(compiler_version: str) -> str:
     for part in (
         SOURCE.read_bytes(),
         *(header.read_bytes() for header in headers),
-        " ".join(CXX_FLAGS).encode(),
+        " ".join(cxx_flags()).encode(),
         compiler_version.encode(),
         torch.__version__.encode(),
         platform.machine().encode(),
@@ -150,7 +165,7 @@ def _compile(library: Path, failed: Path) -> None:
     lib_dirs = library_paths()
     cmd = [
         _compiler(),
-        *CXX_FLAGS,
+        *cxx_flags(),
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         *(f"-I{p}" for p in include_paths()),
         str(SOURCE),
