@@ -184,12 +184,15 @@ class _Held:
 class _FailingLink(PeerLink):
     incarnation = "fake"
 
-    def __init__(self, held: list[weakref.ref[_Held]]) -> None:
+    def __init__(self, held: list[weakref.ref[_Held]], error: BaseException | None) -> None:
         self._held = held
+        self._error = error
 
     def send(self, job: SendJob, stop: StopCheck) -> tuple[int, int]:
         group = _Held()  # a local of the failing frame, as GlooLink._send's ``pg`` is
         self._held.append(weakref.ref(group))
+        if self._error is not None:
+            raise self._error
         try:
             raise RuntimeError("connection reset by peer")
         except RuntimeError as exc:
@@ -205,10 +208,11 @@ class _FailingSender(QueuedSender):
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         self.held: list[weakref.ref[_Held]] = []
+        self.error: BaseException | None = None  # what send raises (None: its own)
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
 
     def _connect(self, endpoint: KVEndpoint, deadline: float) -> PeerLink:
-        return _FailingLink(self.held)
+        return _FailingLink(self.held, self.error)
 
 
 def test_a_failed_send_reports_its_error_without_holding_the_links_state() -> None:
@@ -224,4 +228,29 @@ def test_a_failed_send_reports_its_error_without_holding_the_links_state() -> No
         assert held() is None, "the failed send's frames still hold the link's state"
     finally:
         gc.enable()
+        sender.close()
+
+
+def test_a_failed_sends_error_raised_before_in_a_suspended_generator_leaves_it_alone() -> None:
+    # An error first raised (and caught) inside a generator or coroutine that is now
+    # suspended carries that frame in its traceback; clearing it would finalize the
+    # generator (a request handler, in the event loop).
+    def handler() -> Iterator[object]:
+        try:
+            raise UnavailableError("the receiver is draining")
+        except UnavailableError as exc:
+            yield exc
+        yield "resumed"
+
+    suspended = handler()
+    reason = next(suspended)
+    layout = small_layout()
+    sender = _FailingSender(random_pool(layout, 4, seed=1), layout, TransferConfig())
+    sender.error = reason
+    try:
+        sender.submit(_job(layout, "a", "drained"))
+        failed = wait_for(sender.poll)
+        assert failed.error is reason
+        assert next(suspended) == "resumed"
+    finally:
         sender.close()

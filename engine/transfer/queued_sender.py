@@ -14,10 +14,11 @@ group never outlives it for long. Each job is a ``send`` span on the ``timeline`
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import logging
 import threading
 import time
-import traceback
 import uuid
 from abc import ABC, abstractmethod
 from collections import deque
@@ -420,9 +421,16 @@ def _send_args(job: SendJob, completion: SendCompletion) -> dict[str, object]:
     return args
 
 
+# A generator's or coroutine's frame in a traceback may be suspended, not finished (an
+# error raised before, in the event loop, and raised again here): clearing it would
+# finalize that generator.
+_SUSPENDABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
+
+
 def _drop_frame_locals(exc: BaseException) -> None:
-    """Clear the locals of the finished frames ``exc`` and the errors chained to it hold;
-    their tracebacks (files, lines) stay."""
+    """Clear the locals of the plain function frames that ``exc`` and the errors chained to
+    it hold; their tracebacks (files, lines) stay. A frame still running raises
+    ``RuntimeError`` and is left alone, and so is every generator and coroutine frame."""
     seen: set[int] = set()
     todo: list[BaseException | None] = [exc]
     while todo:
@@ -430,7 +438,13 @@ def _drop_frame_locals(exc: BaseException) -> None:
         if e is None or id(e) in seen:
             continue
         seen.add(id(e))
-        traceback.clear_frames(e.__traceback__)
+        tb = e.__traceback__
+        while tb is not None:
+            frame = tb.tb_frame
+            if not frame.f_code.co_flags & _SUSPENDABLE:
+                with contextlib.suppress(RuntimeError):
+                    frame.clear()
+            tb = tb.tb_next
         todo += [e.__cause__, e.__context__]
 
 
