@@ -50,7 +50,7 @@ void write_kv(at::Tensor& kv_cache, int64_t layer, const at::Tensor& k, const at
 // random places in the pool, so the hardware prefetcher cannot run ahead across them.
 template <typename T>
 inline void prefetch_block(const T* p, int64_t bytes) {
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(__AVX512F__)
   const char* c = reinterpret_cast<const char*>(p);
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
 #else
@@ -170,140 +170,6 @@ inline void pv_bf16(float* acc_out, const float* p, int64_t G, int64_t D, const 
 }
 #endif
 
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-// decode_part_online for AVX2 (16 ymm registers): the AVX-512 form keeps 16 tokens' dot
-// products of one head in 16 V16 accumulators, which is 32 ymm here and spills, and it
-// widens each bf16 key once per head of the group. Here a 16-token group's keys and values
-// are widened once into L1 buffers (bf16; fp32 rows are read in place), the scores run 4
-// tokens x up to 3 heads at a time (12 accumulators, the q row a memory operand), and
-// P.V keeps 64 output columns of one head (8 accumulators) in registers per pass.
-
-// The lane sums of a0..a3, in order.
-inline __m128 sum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
-  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-}
-
-// s[h * 16 + j] = q_h . k_j for HB heads (fp32 q rows at stride D, pre-scaled) and the 4
-// fp32 key rows k[0..3].
-template <int HB, int64_t D>
-inline void scores_4x(const float* q, const float* const* k, float* s) {
-  __m256 acc[HB][4];
-  for (int h = 0; h < HB; ++h)
-    for (int j = 0; j < 4; ++j) acc[h][j] = _mm256_setzero_ps();
-  for (int64_t c = 0; c < D; c += 8) {
-    const __m256 k0 = _mm256_loadu_ps(k[0] + c), k1 = _mm256_loadu_ps(k[1] + c), k2 = _mm256_loadu_ps(k[2] + c),
-                 k3 = _mm256_loadu_ps(k[3] + c);
-    for (int h = 0; h < HB; ++h) {
-      const __m256 qh = _mm256_load_ps(q + h * D + c);
-      acc[h][0] = _mm256_fmadd_ps(qh, k0, acc[h][0]);
-      acc[h][1] = _mm256_fmadd_ps(qh, k1, acc[h][1]);
-      acc[h][2] = _mm256_fmadd_ps(qh, k2, acc[h][2]);
-      acc[h][3] = _mm256_fmadd_ps(qh, k3, acc[h][3]);
-    }
-  }
-  for (int h = 0; h < HB; ++h) _mm_storeu_ps(s + h * 16, sum4x8(acc[h][0], acc[h][1], acc[h][2], acc[h][3]));
-}
-
-// acc[0..D) += sum_i p[i] * v_i over the m value rows v[i] (fp32), 64 columns at a time.
-template <int64_t D>
-inline void pv_avx2(float* acc, const float* p, const float* const* v, int64_t m) {
-  for (int64_t c0 = 0; c0 < D; c0 += 64) {
-    __m256 a[8];
-    for (int c = 0; c < 8; ++c) a[c] = _mm256_loadu_ps(acc + c0 + 8 * c);
-    for (int64_t i = 0; i < m; ++i) {
-      const __m256 pi = _mm256_set1_ps(p[i]);
-      const float* row = v[i] + c0;
-      for (int c = 0; c < 8; ++c) a[c] = _mm256_fmadd_ps(pi, _mm256_loadu_ps(row + 8 * c), a[c]);
-    }
-    for (int c = 0; c < 8; ++c) _mm256_storeu_ps(acc + c0 + 8 * c, a[c]);
-  }
-}
-
-// Rows [0, m) of a block's 16-token group as fp32 row pointers, widened into ``buf``
-// (bf16) or in place (fp32); rows [m, 16) repeat row 0 (their scores are masked).
-template <typename T, int64_t D>
-inline void fp32_rows(const T* rows, int64_t m, float* buf, const float** out) {
-  if constexpr (std::is_same_v<T, float>) {
-    for (int64_t i = 0; i < 16; ++i) out[i] = rows + (i < m ? i : 0) * D;
-  } else {
-    for (int64_t i = 0; i < m; ++i)
-      for (int64_t c = 0; c < D; c += 16) vstore(buf + i * D + c, vload(rows + i * D + c));
-    for (int64_t i = 0; i < 16; ++i) out[i] = buf + (i < m ? i : 0) * D;
-  }
-}
-
-template <typename T, int NC>
-void decode_part_online_avx2(float* acc_out, float* m_out, float* l_out, const T* q_rows, int64_t q_head_stride,
-                             int64_t G, const T* kc_head, const T* vc_head, int64_t bs, const int64_t* table,
-                             int64_t t_begin, int64_t t_end, int64_t t_lo, float scale) {
-  constexpr int64_t D = NC * 16;
-  alignas(32) float qf[16 * D];  // fp32 q, pre-scaled
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t c = 0; c < D; c += 16) vstore(qf + g * D + c, vmul(vload(q_rows + g * q_head_stride + c), vset(scale)));
-  float m_run[16], l_run[16];
-  for (int64_t g = 0; g < G; ++g) {
-    m_run[g] = -INFINITY;
-    l_run[g] = 0.f;
-  }
-  for (int64_t j = 0; j < G * D; ++j) acc_out[j] = 0.f;
-  alignas(32) float kbuf[16 * D], vbuf[16 * D];
-  alignas(32) float s[16 * 16] = {};  // [head][token]: scores, then softmax numerators
-  const float* krows[16];
-  const float* vrows[16];
-  const int64_t j0 = t_begin / bs;
-  for (int64_t t0 = t_begin; t0 < t_end; t0 += bs) {
-    const int64_t jb = t0 / bs;
-    const T* kb = kc_head + table[jb] * bs * D;
-    const T* vb = vc_head + table[jb] * bs * D;
-    // Blocks sit anywhere in the pool: fetch two ahead, past the hardware prefetcher.
-    if (jb == j0) {
-      prefetch_ahead(kc_head, table, jb + 1, bs, D, t_end);
-      prefetch_ahead(vc_head, table, jb + 1, bs, D, t_end);
-    }
-    prefetch_ahead(kc_head, table, jb + 2, bs, D, t_end);
-    prefetch_ahead(vc_head, table, jb + 2, bs, D, t_end);
-    const int64_t n = std::min(bs, t_end - t0);
-    for (int64_t i0 = 0; i0 < n; i0 += 16) {
-      const int64_t m = std::min<int64_t>(16, n - i0);
-      const int64_t lo = std::clamp<int64_t>(t_lo - (t0 + i0), 0, 16);  // tokens before the window
-      if (lo >= m) continue;
-      fp32_rows<T, D>(kb + i0 * D, m, kbuf, krows);
-      for (int64_t j = 0; j < m; j += 4) {
-        int64_t g0 = 0;
-        for (; g0 + 3 <= G; g0 += 3) scores_4x<3, D>(qf + g0 * D, krows + j, s + g0 * 16 + j);
-        if (G - g0 == 2) scores_4x<2, D>(qf + g0 * D, krows + j, s + g0 * 16 + j);
-        if (G - g0 == 1) scores_4x<1, D>(qf + g0 * D, krows + j, s + g0 * 16 + j);
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        float* sg = s + g * 16;
-        float top = -INFINITY;
-        for (int64_t i = lo; i < m; ++i) top = std::max(top, sg[i]);
-        if (top > m_run[g]) {
-          const float f = m_run[g] == -INFINITY ? 0.f : std::exp(m_run[g] - top);
-          m_run[g] = top;
-          l_run[g] *= f;
-          for (int64_t c = 0; c < D; c += 16) vstore(acc_out + g * D + c, vmul(vset(f), vload(acc_out + g * D + c)));
-        }
-        vstore(sg, vexp(vadd(vload(sg), vset(-m_run[g]))));
-        float sum = 0.f;
-        for (int64_t i = 0; i < 16; ++i) {
-          if (i < lo || i >= m) sg[i] = 0.f;  // masked: no weight at all, not exp(-87)
-          sum += sg[i];
-        }
-        l_run[g] += sum;
-      }
-      fp32_rows<T, D>(vb + i0 * D, m, vbuf, vrows);
-      for (int64_t g = 0; g < G; ++g) pv_avx2<D>(acc_out + g * D, s + g * 16, vrows, m);
-    }
-  }
-  for (int64_t g = 0; g < G; ++g) {
-    m_out[g] = m_run[g];
-    l_out[g] = l_run[g];
-  }
-}
-#endif
-
 // decode_part (below) in one pass for head dims of 64 and 128 (NC = 4, 8) on AVX-512: each
 // block's keys, then at once its values, with the softmax kept online (a running max per
 // head; the sums so far are rescaled when it grows). Each block's K and V are read back
@@ -387,11 +253,8 @@ void decode_part_online(float* acc_out, float* m_out, float* l_out, const T* q_r
     m_out[g] = m_run[g];
     l_out[g] = l_run[g];
   }
-#elif defined(__AVX2__) && defined(__FMA__)
-  decode_part_online_avx2<T, NC>(acc_out, m_out, l_out, q_rows, q_head_stride, G, kc_head, vc_head, bs, table, t_begin,
-                                 t_end, t_lo, scale);
 #else
-  TORCH_CHECK(false, "decode_part_online needs AVX-512 or AVX2");
+  TORCH_CHECK(false, "decode_part_online needs AVX-512");
 #endif
 }
 
@@ -402,8 +265,6 @@ constexpr bool online_serves() {
   return NC == 4 || NC == 8;
 #elif defined(__AVX512F__)
   return (NC == 4 || NC == 8) && std::is_same_v<T, float>;
-#elif defined(__AVX2__) && defined(__FMA__)
-  return NC == 4 || NC == 8;
 #else
   return false;
 #endif
