@@ -85,6 +85,35 @@ def test_measure_table_routes_each_class_to_its_fastest_injected_timing() -> Non
     )
 
 
+def test_rounds_interleave_the_candidates_and_keep_each_ones_fastest() -> None:
+    # A burst of other work while the first candidate is timed: back to back, the burst
+    # chooses the other one; in interleaved rounds each keeps its fastest round.
+    calls: list[str] = []
+
+    def timer(row_class: str, route: str, rows: int) -> float:
+        calls.append(route)
+        if route == "panels":
+            return 2.0 if len(calls) == 1 else 1.0  # the burst hits the very first call
+        return 1.5
+
+    plan = {DECODE_ROWS: (16,)}
+    cands = {c: ("panels", "onednn") for c in ROW_CLASSES}
+    defaults = default_routes("bfloat16", kernels=True, panels=True, onednn=True)
+    once = measure_table(plan, cands, defaults, timer)
+    assert once.routes[DECODE_ROWS] == "onednn"
+    calls.clear()
+    interleaved = measure_table(plan, cands, defaults, timer, rounds=3)
+    assert calls == ["panels", "onednn"] * 3
+    assert interleaved.timings[DECODE_ROWS] == {"panels": 1.0, "onednn": 1.5}
+    assert interleaved.routes[DECODE_ROWS] == "panels"
+    # Time running out after a full round still routes the class on that round.
+    calls.clear()
+    cut = measure_table(plan, cands, defaults, timer, rounds=3, out_of_time=lambda: len(calls) >= 3)
+    assert cut.source == "measured" and cut.timings[DECODE_ROWS] == {"panels": 1.0, "onednn": 1.5}
+    with pytest.raises(ValueError, match="rounds"):
+        measure_table(plan, cands, defaults, timer, rounds=0)
+
+
 @dataclass
 class _Copies:
     weight: torch.Tensor

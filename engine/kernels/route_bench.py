@@ -7,7 +7,8 @@ are read from memory as a decode step reads them, not from a warm cache; for pre
 chunks, one layer (compute-bound already, and each call is long). Prompt chunks'
 attention is timed through a probe the model builds (``AttentionProbe``): one layer's
 attention of a chunk after cached context, on each route. Each timing is the
-fastest of a few sweeps after one untimed warm-up, within a share of a total budget.
+fastest of a few sweeps after one untimed warm-up, within a share of a total budget, and
+a class's candidates take ``ROUNDS`` turns each, interleaved, keeping their fastest.
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ OVERRUN = 2.0
 # panels', so timing it in full spent the whole budget (the classes after it then kept
 # their defaults, and the table was never cached).
 GIVE_UP = 3.0
+# Rounds in which a class's candidates are timed in turn (route_table.measure_table):
+# the budget is shared among them, so each call gets a third of its share.
+ROUNDS = 3
 
 
 class LinearCopies(Protocol):
@@ -227,14 +231,15 @@ def measure_routes(
     setting = _setting(request, layers, lm_head)
     plan, cands, defaults = setting.plan, setting.candidates, setting.defaults
     if timer is None:
-        count = sum(len(plan[c]) * len(cands[c]) for c in ROW_CLASSES)
+        count = ROUNDS * sum(len(plan[c]) * len(cands[c]) for c in ROW_CLASSES)
         timer = make_timer(layers, lm_head, request.budget_s, count, attention)
     busy = (request.busy or host_busy)()
     t0 = time.perf_counter()
     deadline = t0 + OVERRUN * request.budget_s
     table = measure_table(
-        plan, cands, defaults, timer, out_of_time=lambda: time.perf_counter() > deadline
-    )
+        plan, cands, defaults, timer, out_of_time=lambda: time.perf_counter() > deadline,
+        rounds=ROUNDS,
+    )  # fmt: skip
     spent = time.perf_counter() - t0
     if table.source == "partial":
         # Not cached: the next start measures again, on a quieter host perhaps.

@@ -31,8 +31,10 @@ logger = logging.getLogger(__name__)
 # The source of a cached table measured on a busy host: reused while the host is busy,
 # measured again once it is quiet.
 BUSY_SOURCE = "cached, measured busy"
-# Bump when the meaning of a route or of a key field changes.
-SCHEMA = 1
+# Bump when the meaning of a route or of a key field changes, or how a table is
+# measured (2: candidates timed in interleaved rounds), so that no host keeps a table
+# the old way chose.
+SCHEMA = 2
 # The instruction-set flags that decide which kernel wins (``/proc/cpuinfo`` names).
 ISA_FLAGS = (
     "avx2",

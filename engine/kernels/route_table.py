@@ -19,6 +19,7 @@ share the call, so a token's bits do not depend on its batch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -249,12 +250,18 @@ def measure_table(
     timer: Callable[[str, str, int], float],
     margin: float = DEFAULT_MARGIN,
     out_of_time: Callable[[], bool] = lambda: False,
+    rounds: int = 1,
 ) -> RouteTable:
     """Time every candidate of every class at the class's sample rows (``plan``) with
-    ``timer(row_class, route, rows)`` -> seconds, and pick each class's route. A class
-    without sample rows (the engine never runs it) keeps its default, and so does every
-    class not fully timed before ``out_of_time()`` (a host too busy to time in the
-    budget; the table's source then says ``partial``)."""
+    ``timer(row_class, route, rows)`` -> seconds, and pick each class's route. With
+    ``rounds`` > 1 a class's candidates are timed in turn that many times and each keeps
+    its fastest round: a burst of other work on the host then slows one round of every
+    candidate, not every round of one (timed back to back, a noisy host's burst chose
+    the slower decode kernel). A class without sample rows (the engine never runs it)
+    keeps its default, and so does every class not fully timed before ``out_of_time()``
+    (a host too busy to time in the budget; the table's source then says ``partial``)."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
     routes: dict[str, str] = {}
     timings: dict[str, dict[str, float]] = {}
     partial = False
@@ -266,11 +273,17 @@ def measure_table(
             routes[row_class] = default
             continue
         timed: dict[str, float] = {}
-        for route in options:
-            if out_of_time():
+        stopped = False
+        for _ in range(rounds):
+            for route in options:
+                stopped = out_of_time()
+                if stopped:
+                    break
+                took = sum(timer(row_class, route, rows) for rows in rows_list)
+                timed[route] = min(took, timed.get(route, math.inf))
+            if stopped:
                 break
-            timed[route] = sum(timer(row_class, route, rows) for rows in rows_list)
-        else:
+        if len(timed) == len(options):  # every candidate timed in one round at least
             timings[row_class] = timed
         if row_class not in timings:  # cut short: a half-timed class keeps its default
             routes[row_class] = default
