@@ -98,12 +98,25 @@ def _serve(path: str, modules: frozenset[str]) -> _Request | None:
     wake_w.setblocking(False)
     signal.set_wakeup_fd(wake_w.fileno())
     signal.signal(signal.SIGCHLD, lambda *_: None)  # only to wake the selector
+    # A Ctrl-C (SIGINT) or a SIGTERM sent to the launcher's whole process group (GNU
+    # timeout, a terminal, a service manager) reaches this server too. The launcher then
+    # stops the workers and waits for their exit statuses, which only this server can
+    # give: so a Ctrl-C is the launcher's alone, and a SIGTERM ends the server once its
+    # last child has exited (at once when it has none).
+    stopping = False
+
+    def stop(*_: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, stop)
     children: dict[int, socket.socket] = {}
     sel = selectors.DefaultSelector()
     sel.register(listener, selectors.EVENT_READ)
     sel.register(wake_r, selectors.EVENT_READ)
     parent = os.getppid()
-    while os.getppid() == parent:
+    while os.getppid() == parent and not (stopping and not children):
         for key, _ in sel.select(timeout=1.0):
             if key.fileobj is wake_r:
                 with contextlib.suppress(BlockingIOError):
@@ -123,6 +136,9 @@ def _serve(path: str, modules: frozenset[str]) -> _Request | None:
             if pid == 0:
                 signal.set_wakeup_fd(-1)
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                # What a fresh `python -m` starts with.
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 sel.close()
                 for sock in (listener, wake_r, wake_w, conn, *children.values()):
                     sock.close()  # this process's copies only
@@ -134,7 +150,8 @@ def _serve(path: str, modules: frozenset[str]) -> _Request | None:
             children[pid] = conn
             _send(conn, {"pid": pid})
         _reap(children)
-    # The launcher is gone: its workers are its own to stop; this server only ends.
+    # The launcher is gone (its workers are its own to stop), or a SIGTERM came and no
+    # child is left: this server only ends.
     return None
 
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import threading
+import time
 
 import torch
 
@@ -26,10 +28,14 @@ def main() -> None:
                 "main_threads": torch.get_num_threads(),
                 "other_threads": seen[0],
                 "name": __name__,
+                # A fork must not inherit the server's own signal handling.
+                "sigint": repr(signal.getsignal(signal.SIGINT)),
+                "sigterm": repr(signal.getsignal(signal.SIGTERM)),
             }
         ),
         flush=True,
     )
+    time.sleep(float(os.environ.get("PROBE_SLEEP", "0")))
     sys.exit(int(os.environ.get("PROBE_EXIT", "0")))
 
 

@@ -123,6 +123,27 @@ def test_a_fork_sees_what_a_fresh_process_sees(tmp_path: Path) -> None:
         probe.close()
 
 
+def test_a_signal_to_the_launchers_group_leaves_the_server_until_its_children_exit(
+    tmp_path: Path,
+) -> None:
+    """A Ctrl-C or a group-wide SIGTERM hits the server too: it stays to report its
+    children's exit statuses, and a SIGTERM ends it once they have exited."""
+    probe = ForkServer(modules=frozenset({"tests.fork_probe"}))
+    try:
+        env = {**os.environ, "PROBE_SLEEP": "3", "PROBE_EXIT": "5"}
+        child = probe.spawn(["tests.fork_probe"], env, tmp_path / "log")
+        time.sleep(0.5)
+        probe._proc.send_signal(signal.SIGINT)
+        probe._proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert probe.alive() and child.poll() is None
+        assert child.wait(30) == 5  # its own status, not a lost child's
+        probe._proc.wait(10)  # then the server ends by itself
+        assert not probe.alive()
+    finally:
+        probe.close()
+
+
 def test_an_environment_read_at_start_up_is_not_the_forks_to_honour(
     server: ForkServer,
 ) -> None:
