@@ -109,6 +109,9 @@ def _serve(path: str, modules: frozenset[str]) -> _Request | None:
         nonlocal stopping
         stopping = True
 
+    # What this process started with (inherited from the launcher, as a fresh worker's
+    # would be: a launcher run in the background ignores SIGINT), for the forks.
+    started_with = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, stop)
     children: dict[int, socket.socket] = {}
@@ -136,9 +139,8 @@ def _serve(path: str, modules: frozenset[str]) -> _Request | None:
             if pid == 0:
                 signal.set_wakeup_fd(-1)
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                # What a fresh `python -m` starts with.
-                signal.signal(signal.SIGINT, signal.default_int_handler)
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                for sig, handler in started_with.items():  # as a fresh `python -m`'s
+                    signal.signal(sig, handler)
                 sel.close()
                 for sock in (listener, wake_r, wake_w, conn, *children.values()):
                     sock.close()  # this process's copies only
