@@ -146,16 +146,21 @@ def header_lines(
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def results_slug() -> str:
+    """The tail of a results file's name: this host's kind, and the ISA the kernels were
+    built for where ``BATON_CPU_MARCH`` names one (runs on hosts of other kinds, or with
+    other builds, the same day keep their own files)."""
+    slug = host_slug(host_kind(isa_flags()))
+    march = os.environ.get(MARCH_ENV)
+    return f"{slug}_march-{march}" if march else slug
+
+
 def publish(report: str, name: str, suffix: str = "", out: Path | None = None) -> Path:
     """Print a small benchmark's markdown ``report`` and write it to ``out`` (default
     ``benchmarks/results/<name>_<today><suffix>_<host kind>.md``: runs on hosts of other
     kinds the same day keep their own files); returns the path."""
     print(report)
-    slug = host_slug(host_kind(isa_flags()))
-    march = os.environ.get(MARCH_ENV)
-    if march:  # kernels built for another ISA than the host's: a file of their own
-        slug += f"_march-{march}"
-    path = out or RESULTS / f"{name}_{dt.date.today()}{suffix}_{slug}.md"
+    path = out or RESULTS / f"{name}_{dt.date.today()}{suffix}_{results_slug()}.md"
     path.write_text(report)
     print(f"wrote {path}")
     return path

@@ -241,8 +241,7 @@ def main(argv: list[str] | None = None) -> Path:
         "results": results,
     }
     opts.results_dir.mkdir(parents=True, exist_ok=True)
-    # Named for the host kind too: hosts of other kinds the same day keep their own files.
-    slug = provenance.host_slug(provenance.host_kind(provenance.isa_flags()))
+    slug = provenance.results_slug()
     stem = f"workers_on_one_host_{dt.date.today():%Y-%m-%d}_{opts.dtype}{opts.tag}_{slug}"
     md = opts.results_dir / f"{stem}.md"
     md.write_text(render(raw))

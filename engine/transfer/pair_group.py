@@ -14,7 +14,6 @@ import socket
 import sys
 import threading
 import time
-import traceback
 from collections import deque
 from collections.abc import Callable
 from datetime import timedelta
@@ -28,6 +27,7 @@ from engine.errors import (
     DeadlineExceededError,
     PermissionDeniedError,
     UnavailableError,
+    drop_frame_locals,
 )
 from engine.transfer.base import TransferConfig
 from engine.transfer.fleet_auth import FleetKey
@@ -185,7 +185,7 @@ def release_failed_group(pg: dist.ProcessGroup, exc: BaseException) -> None:
     own variable just after this call would otherwise block in the group's destructor
     whenever the reaper was quicker).
     """
-    traceback.clear_frames(exc.__traceback__)
+    drop_frame_locals(exc)
     reaper = threading.Thread(target=_reap, args=(pg,), name="baton-pair-reaper", daemon=True)
     reaper.start()
 

@@ -14,8 +14,6 @@ group never outlives it for long. Each job is a ``send`` span on the ``timeline`
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import logging
 import threading
 import time
@@ -35,6 +33,7 @@ from engine.errors import (
     DeadlineExceededError,
     LayoutMismatchError,
     UnavailableError,
+    drop_frame_locals,
 )
 from engine.kv_layout import BLOCK_DIM, KVLayout
 from engine.timeline import SEND
@@ -343,7 +342,7 @@ class QueuedSender(KVSender):
             # The error travels to the request's handler and may sit in a reference cycle
             # until a full collection; its frames must not keep the link's process group
             # (and its threads and sockets) alive that long.
-            _drop_frame_locals(exc)
+            drop_frame_locals(exc)
             return _failed(job, exc)
         except Exception as exc:  # a backend bug or torch error: report it typed, keep serving
             logger.exception("request %s: transfer to %s crashed", job.request_id, endpoint.address)
@@ -419,33 +418,6 @@ def _send_args(job: SendJob, completion: SendCompletion) -> dict[str, object]:
     if completion.error is not None:
         args["error"] = type(completion.error).__name__
     return args
-
-
-# A generator's or coroutine's frame in a traceback may be suspended, not finished (an
-# error raised before, in the event loop, and raised again here): clearing it would
-# finalize that generator.
-_SUSPENDABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
-
-
-def _drop_frame_locals(exc: BaseException) -> None:
-    """Clear the locals of the plain function frames that ``exc`` and the errors chained to
-    it hold; their tracebacks (files, lines) stay. A frame still running raises
-    ``RuntimeError`` and is left alone, and so is every generator and coroutine frame."""
-    seen: set[int] = set()
-    todo: list[BaseException | None] = [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        tb = e.__traceback__
-        while tb is not None:
-            frame = tb.tb_frame
-            if not frame.f_code.co_flags & _SUSPENDABLE:
-                with contextlib.suppress(RuntimeError):
-                    frame.clear()
-            tb = tb.tb_next
-        todo += [e.__cause__, e.__context__]
 
 
 def _failed(job: SendJob, error: BatonError) -> SendCompletion:
