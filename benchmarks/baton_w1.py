@@ -138,16 +138,22 @@ def _single_stream(
     The reads bracket the stream by a second or two, so a host whose memory bandwidth
     drifts during a long run (other tenants) gives the stream's own yardstick, where one
     read at the start of the run may come from another moment.
+
+    They run on the engine's compute thread, as every torch op of an engine does: a read
+    on this thread would give it an OpenMP team of its own, and with more OpenMP threads
+    than CPUs libgomp puts the engine's team to sleep between parallel regions, which
+    cost the stream a third of its rate (``engine.compute_thread``).
     """
-    reader = common.MemoryReader(read_mib)
+    compute = core.runner.compute
+    reader = compute.call(common.MemoryReader, read_mib)
     prompt = common.fixed_prompt(common.SINGLE_STREAM_SEED, prompt_len)
-    reads = reader.rates(READS_AROUND_STREAM)
+    reads = compute.call(reader.rates, READS_AROUND_STREAM)
     core.add_request(core.make_request("single-stream", prompt, _params(new_tokens)))
     times: list[float] = []
     while core.has_work():
         for out in core.step():
             times.extend(time.perf_counter() for _ in out.new_token_ids)
-    reads += reader.rates(READS_AROUND_STREAM)
+    reads += compute.call(reader.rates, READS_AROUND_STREAM)
     if len(times) != new_tokens:
         raise RuntimeError(f"single stream produced {len(times)} tokens, expected {new_tokens}")
     return (new_tokens - 1) / (times[-1] - times[0]), statistics.median(reads)
