@@ -49,7 +49,8 @@ def test_the_avx2_kernels_match_the_references_on_an_avx512_host() -> None:
     assert probe.stdout.strip() == "True", probe.stderr[-2000:]
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         "tests/test_attention_kernels.py", "-k", "decode or window or panels or fused"],
+         "tests/test_attention_kernels.py", "tests/test_decode_team.py",
+         "-k", "decode or window or panels or fused or team"],
         env=env, cwd=REPO, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-4000:]

@@ -20,6 +20,7 @@
 #include <string>
 
 #include "csrc/attention.h"
+#include "csrc/decode_team.h"
 #include "csrc/linear.h"
 #include "csrc/panel_linear.h"
 #include "csrc/pointwise.h"
@@ -59,30 +60,39 @@ int64_t route_for(at::IntArrayRef routes, int64_t M) {
   return cls < routes.size() ? routes[cls] : kConstants;
 }
 
-// The linear layer the Python path (engine.kernels.ops.linear) would run for these rows:
-// the route measured for their row class (``routes``) where it serves them; otherwise
-// the bf16 GEMV up to kGemvMaxRows rows, then the panel-packed kernel up to kPanelMaxRows
-// when there are panels, else the prepacked weight when there is one (not for a single
-// fp32 row, where MKL's GEMV is at the bandwidth), else at::linear.
+// The kernel the Python path (engine.kernels.ops.linear) would run for M rows: the route
+// measured for their row class (``routes``) where it serves them; otherwise the bf16 GEMV
+// up to kGemvMaxRows rows, then the panel-packed kernel up to kPanelMaxRows when there
+// are panels, else the prepacked weight when there is one (not for a single fp32 row,
+// where MKL's GEMV is at the bandwidth), else at::linear (kTorch).
+int64_t linear_route(at::IntArrayRef routes, int64_t M, bool bf16, bool has_panels, bool has_packed) {
+  switch (route_for(routes, M)) {
+    case kTorch: return kTorch;
+    case kGemv: if (bf16 && kHasBf16Dot) return kGemv; break;
+    case kPanels: if (has_panels) return kPanels; break;
+    case kOnednn: if (has_packed) return kOnednn; break;
+    default: break;
+  }
+  if (bf16 && M <= kGemvMaxRows && kHasBf16Dot) return kGemv;
+  if (has_panels && M <= kPanelMaxRows) return kPanels;
+  if (has_packed && (bf16 || M > 1)) return kOnednn;
+  return kTorch;
+}
+
+bool defined(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
+
+// y = x W^T (+ b) on the kernel linear_route picks.
 at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& packed,
                         const std::optional<at::Tensor>& panels, const std::optional<at::Tensor>& bias,
                         at::IntArrayRef routes = {}) {
-  const int64_t M = x.size(0);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
-  const bool has_panels = panels.has_value() && panels->defined();
-  const bool has_packed = packed.has_value() && packed->defined() && packed->scalar_type() == x.scalar_type();
-  switch (route_for(routes, M)) {
-    case kTorch: return at::linear(x, w, bias);
-    case kGemv: if (bf16 && kHasBf16Dot) return linear_bf16(x, w, bias); break;
-    case kPanels: if (has_panels) return linear_panels(x, *panels, w.size(0), bias); break;
-    case kOnednn: if (has_packed) return packed_linear(x, *packed, bias); break;
-    default: break;
+  const bool has_packed = defined(packed) && packed->scalar_type() == x.scalar_type();
+  switch (linear_route(routes, x.size(0), bf16, defined(panels), has_packed)) {
+    case kGemv: return linear_bf16(x, w, bias);
+    case kPanels: return linear_panels(x, *panels, w.size(0), bias);
+    case kOnednn: return packed_linear(x, *packed, bias);
+    default: return at::linear(x, w, bias);
   }
-  if (bf16 && M <= kGemvMaxRows && kHasBf16Dot) return linear_bf16(x, w, bias);
-  if (panels.has_value() && panels->defined() && M <= kPanelMaxRows) return linear_panels(x, *panels, w.size(0), bias);
-  if (packed.has_value() && packed->defined() && packed->scalar_type() == x.scalar_type() && (bf16 || M > 1))
-    return packed_linear(x, *packed, bias);
-  return at::linear(x, w, bias);
 }
 
 // A Llama-family decoder layer (pre-norm attention and SiLU MLP, residuals) over the M
@@ -129,6 +139,113 @@ std::optional<at::Tensor> entry(const c10::List<std::optional<at::Tensor>>& list
   return t.has_value() && t->defined() ? t : std::nullopt;
 }
 
+// Whether ``panels`` are what pack_panels makes of an [n, K] weight for the team: pair
+// panels for bf16, plain fp32 panels for fp32.
+bool team_panels_ok(const std::optional<at::Tensor>& panels, at::ScalarType dtype, int64_t n, int64_t K) {
+  if (!defined(panels) || !panels->is_contiguous() || panels->scalar_type() != dtype ||
+      panels->size(0) != (n + kPanel - 1) / kPanel)
+    return false;
+  if (dtype == at::kBFloat16)
+    return kHasBf16Dot && panels->dim() == 4 && panels->size(1) * 2 == K && panels->size(2) == kPanel &&
+           panels->size(3) == 2;
+  return panels->dim() == 3 && panels->size(1) == K && panels->size(2) == kPanel;
+}
+
+// decode_stack in one OpenMP team (csrc/decode_team.h) where every linear layer of every
+// layer runs on its panels for these rows (as layer_linear would pick them), the dtype is
+// bf16 with the bf16 dot product or fp32, and everything has the layout the kernels read;
+// else nullopt, and the stack runs layer by layer.
+std::optional<at::Tensor> decode_stack_team(
+    const at::Tensor& hidden, const at::Tensor& positions, at::Tensor& kv_cache, const at::Tensor& slot_mapping,
+    const at::Tensor& block_tables, const at::Tensor& context_lens, const at::Tensor& cos, const at::Tensor& sin,
+    at::TensorList in_norm_w, at::TensorList qkv_w, const c10::List<std::optional<at::Tensor>>& qkv_b,
+    at::TensorList o_w, at::TensorList post_norm_w, at::TensorList gate_up_w, at::TensorList down_w,
+    const c10::List<std::optional<at::Tensor>>& qkv_p, const c10::List<std::optional<at::Tensor>>& o_p,
+    const c10::List<std::optional<at::Tensor>>& gate_up_p, const c10::List<std::optional<at::Tensor>>& down_p,
+    const c10::List<std::optional<at::Tensor>>& qkv_pp, const c10::List<std::optional<at::Tensor>>& o_pp,
+    const c10::List<std::optional<at::Tensor>>& gate_up_pp, const c10::List<std::optional<at::Tensor>>& down_pp,
+    int64_t num_heads, double eps, double scale, at::IntArrayRef windows, at::IntArrayRef routes, int64_t split) {
+  const auto dtype = hidden.scalar_type();
+  const bool is_bf16 = dtype == at::kBFloat16;
+  if (!(is_bf16 ? kHasBf16Dot : dtype == at::kFloat) || omp_in_parallel() || hidden.dim() != 2 ||
+      !hidden.is_contiguous() || hidden.size(0) < 1 || kv_cache.dim() != 6 || !kv_cache.is_contiguous() ||
+      kv_cache.size(1) != 2 || kv_cache.scalar_type() != dtype || !cos.is_contiguous() || !sin.is_contiguous() ||
+      cos.dim() != 2 || cos.sizes() != sin.sizes() || cos.scalar_type() != sin.scalar_type() ||
+      !(cos.scalar_type() == at::kFloat || (is_bf16 && cos.scalar_type() == at::kBFloat16)))
+    return std::nullopt;
+  const int64_t M = hidden.size(0), C = hidden.size(1), L = int64_t(qkv_w.size());
+  const int64_t Hkv = kv_cache.size(2), NB = kv_cache.size(3), bs = kv_cache.size(4), D = kv_cache.size(5);
+  const int64_t H = num_heads, QKV = (H + 2 * Hkv) * D;
+  if (L == 0 || H % Hkv != 0 || H / Hkv > 16 || D % 16 != 0 || D > 256 || cos.size(1) != D || split < 0)
+    return std::nullopt;
+  const int64_t I = gate_up_w[0].size(0) / 2;
+  auto is_vec = [&](const at::Tensor& t, int64_t n) {
+    return t.dim() == 1 && t.is_contiguous() && t.scalar_type() == dtype && t.size(0) == n;
+  };
+  for (int64_t l = 0; l < L; ++l) {
+    const bool has[4] = {defined(entry(qkv_pp, l)), defined(entry(o_pp, l)), defined(entry(gate_up_pp, l)),
+                         defined(entry(down_pp, l))};
+    const std::optional<at::Tensor> packed[4] = {entry(qkv_p, l), entry(o_p, l), entry(gate_up_p, l),
+                                                 entry(down_p, l)};
+    for (int i = 0; i < 4; ++i)
+      if (linear_route(routes, M, is_bf16, has[i], defined(packed[i]) && packed[i]->scalar_type() == dtype) != kPanels)
+        return std::nullopt;
+    const std::optional<at::Tensor> bias = entry(qkv_b, l);
+    if (qkv_w[l].size(0) != QKV || qkv_w[l].size(1) != C || o_w[l].size(0) != C || o_w[l].size(1) != H * D ||
+        gate_up_w[l].size(0) != 2 * I || gate_up_w[l].size(1) != C || down_w[l].size(0) != C ||
+        down_w[l].size(1) != I || !is_vec(in_norm_w[l], C) || !is_vec(post_norm_w[l], C) ||
+        (defined(bias) && !is_vec(*bias, QKV)) || windows[l] < 0 ||
+        !team_panels_ok(entry(qkv_pp, l), dtype, QKV, C) || !team_panels_ok(entry(o_pp, l), dtype, C, H * D) ||
+        !team_panels_ok(entry(gate_up_pp, l), dtype, 2 * I, C) || !team_panels_ok(entry(down_pp, l), dtype, C, I))
+      return std::nullopt;
+  }
+  // What decode_layer's ops would refuse, refused the same way before the team starts.
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == M,
+              "rotary: positions must be contiguous int64 [T]");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == M,
+              "write_kv: slot_mapping must be contiguous int64");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() && block_tables.dim() == 2 &&
+                  block_tables.size(0) == M && context_lens.scalar_type() == at::kLong &&
+                  context_lens.is_contiguous() && context_lens.numel() == M,
+              "decode_attention: block_tables/context_lens must be contiguous int64");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t r = 0; r < M; ++r) {
+    TORCH_CHECK(pos[r] >= 0 && pos[r] < cos.size(0), "rotary: position ", pos[r], " outside the table");
+    TORCH_CHECK(slots[r] >= 0 && slots[r] < NB * bs, "write_kv: slot ", slots[r], " out of range");
+  }
+  const int64_t width = block_tables.size(1);
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  check_decode_tables(tables, lens, M, width, bs, NB);
+  const TeamShape shape{M, C, H, Hkv, D, I, eps, float(scale)};
+  const int64_t per_kv = Hkv * NB * bs * D;
+  at::Tensor out = at::empty({M, C}, hidden.options());
+  const int64_t threads = at::get_num_threads();
+  auto run = [&](auto tag_t, auto tag_cs) {
+    using T = decltype(tag_t);
+    using CS = decltype(tag_cs);
+    std::vector<TeamLayer<T, T>> layers;
+    for (int64_t l = 0; l < L; ++l) {
+      const std::optional<at::Tensor> bias = entry(qkv_b, l);
+      layers.push_back({in_norm_w[l].data_ptr<T>(), post_norm_w[l].data_ptr<T>(),
+                        defined(bias) ? bias->data_ptr<T>() : nullptr, entry(qkv_pp, l)->data_ptr<T>(),
+                        entry(o_pp, l)->data_ptr<T>(), entry(gate_up_pp, l)->data_ptr<T>(),
+                        entry(down_pp, l)->data_ptr<T>(), windows[l]});
+    }
+    decode_team<T, T, CS>(hidden.data_ptr<T>(), out.data_ptr<T>(), layers, shape, pos, cos.data_ptr<CS>(),
+                          sin.data_ptr<CS>(), kv_cache.data_ptr<T>(), per_kv, NB * bs, slots, tables, width, lens,
+                          NB, bs, split, threads);
+  };
+  if (!is_bf16)
+    run(float(), float());
+  else if (cos.scalar_type() == at::kFloat)
+    run(bf16(), float());
+  else
+    run(bf16(), bf16());
+  return out;
+}
+
 // Every decoder layer of a decode-only step, layer l on KV layer l, in one call: at batch
 // 1 the Python around thirty separate decode_layer calls cost a tenth of the forward.
 // The lists hold each layer's arguments of decode_layer; windows[l] is layer l's window.
@@ -154,6 +271,11 @@ at::Tensor decode_stack(const at::Tensor& hidden, const at::Tensor& positions, a
                   gate_up_pp.size() == L && down_pp.size() == L && windows.size() == L,
               "decode_stack: every per-layer list needs one entry per layer");
   TORCH_CHECK(int64_t(L) <= kv_cache.size(0), "decode_stack: ", L, " layers but a KV cache of ", kv_cache.size(0));
+  if (std::optional<at::Tensor> out = decode_stack_team(
+          hidden, positions, kv_cache, slot_mapping, block_tables, context_lens, cos, sin, in_norm_w, qkv_w, qkv_b,
+          o_w, post_norm_w, gate_up_w, down_w, qkv_p, o_p, gate_up_p, down_p, qkv_pp, o_pp, gate_up_pp, down_pp,
+          num_heads, eps, scale, windows, routes, split))
+    return *out;
   at::Tensor h = hidden;
   for (size_t l = 0; l < L; ++l)
     h = decode_layer(h, positions, kv_cache, int64_t(l), slot_mapping, block_tables, context_lens, cos, sin,
@@ -198,6 +320,7 @@ TORCH_LIBRARY(baton_cpu, m) {
       "int[] windows, int[] routes=[], int split=0) -> Tensor");
   m.def("has_bf16_dot() -> bool", &has_bf16_dot);
   m.def("set_panel_prefetch(int lines) -> int", &set_panel_prefetch);
+  m.def("decode_team_runs() -> int", &decode_team_runs);
 }
 
 TORCH_LIBRARY_IMPL(baton_cpu, CPU, m) {

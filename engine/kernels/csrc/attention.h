@@ -417,118 +417,139 @@ void decode_part(float* acc_out, float* m_out, float* l_out, const T* q_rows, in
   }
 }
 
-template <typename T>
-void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const T* kc, const T* vc, int64_t Hkv,
-                           int64_t NB, int64_t bs, const at::Tensor& block_tables,
-                           const at::Tensor& context_lens, double scale, int64_t window, int64_t split) {
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t G = H / Hkv, NC = D / 16;
-  const int64_t width = block_tables.size(1);
-  const T* qp = q.data_ptr<T>();
-  T* op = out.data_ptr<T>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = context_lens.data_ptr<int64_t>();
+// How decode attention splits a batch: work items are (sequence, kv head, part of the
+// context). A batch with fewer (sequence, kv head) pairs than two per thread splits long
+// contexts into parts, on block edges, so that every thread has work; parts merge by
+// their max and sum. With ``split`` > 0 (deterministic mode) every context is cut into
+// parts of ``split`` tokens (whole blocks) from its first token, whatever the batch, the
+// threads or the longest context, and the parts always merge the same way: a row's bits
+// then depend on its own context alone.
+struct DecodePlan {
+  int64_t pairs = 0, parts = 1, blocks_per_part = 0, items = 0, grain = 1;
+  bool merge = false;
+};
+
+inline DecodePlan decode_plan(int64_t B, int64_t Hkv, const int64_t* lens, int64_t bs, int64_t threads,
+                              int64_t split) {
   int64_t total = 0, longest = 0;
   for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(lens[b] >= 1 && lens[b] <= width * bs, "decode_attention: context length ", lens[b],
-                " outside [1, ", width * bs, "]");
-    for (int64_t j = 0; j < (lens[b] + bs - 1) / bs; ++j)
-      TORCH_CHECK(tables[b * width + j] >= 0 && tables[b * width + j] < NB,
-                  "decode_attention: block id out of range");
     total += lens[b];
     longest = std::max(longest, lens[b]);
   }
-  // Work items are (sequence, kv head, part of the context). A batch with fewer
-  // (sequence, kv head) pairs than two per thread splits long contexts into parts, on
-  // block edges, so that every thread has work; parts merge by their max and sum.
-  // With ``split`` > 0 (deterministic mode) every context is cut into parts of ``split``
-  // tokens (whole blocks) from its first token, whatever the batch, the threads or the
-  // longest context, and the parts always merge the same way: a row's bits then depend
-  // on its own context alone.
-  const int64_t pairs = B * Hkv;
-  const int64_t threads = at::get_num_threads();
+  DecodePlan plan;
+  plan.pairs = B * Hkv;
   const int64_t blocks_longest = (longest + bs - 1) / bs;
-  int64_t parts = 1;
-  int64_t blocks_per_part = blocks_longest;
+  plan.blocks_per_part = blocks_longest;
   if (split > 0) {
-    blocks_per_part = std::max<int64_t>(1, split / bs);
-    parts = (blocks_longest + blocks_per_part - 1) / blocks_per_part;
+    plan.blocks_per_part = std::max<int64_t>(1, split / bs);
+    plan.parts = (blocks_longest + plan.blocks_per_part - 1) / plan.blocks_per_part;
   } else {
-    if (threads > 1 && pairs < 2 * threads) {
-      const int64_t want = (2 * threads + pairs - 1) / pairs;
+    if (threads > 1 && plan.pairs < 2 * threads) {
+      const int64_t want = (2 * threads + plan.pairs - 1) / plan.pairs;
       const int64_t max_by_len = std::max<int64_t>(1, longest / std::max<int64_t>(bs, 128));
-      parts = std::min<int64_t>({want, max_by_len, 64});
+      plan.parts = std::min<int64_t>({want, max_by_len, 64});
     }
-    blocks_per_part = (blocks_longest + parts - 1) / parts;
+    plan.blocks_per_part = (blocks_longest + plan.parts - 1) / plan.parts;
   }
-  const bool merge = split > 0 || parts > 1;
-  const int64_t items = pairs * parts;
-  std::vector<float> part_acc(merge ? size_t(items * G * D) : 0);
-  std::vector<float> part_ml(merge ? size_t(items * G * 2) : 0);
+  plan.merge = split > 0 || plan.parts > 1;
+  plan.items = plan.pairs * plan.parts;
   // Below ~8K token-heads of work a parallel region costs more than it saves.
   const int64_t work = total * Hkv;
-  const int64_t grain = merge ? 1 : std::max<int64_t>(1, (int64_t(8192) * items) / std::max<int64_t>(1, work));
-  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    std::vector<float> acc(size_t(G * D));
-    float m[16], l[16];
-    for (int64_t it = begin; it < end; ++it) {
-      const int64_t pair = it / parts, part = it % parts;
-      const int64_t b = pair / Hkv, h = pair % Hkv;
-      // A sliding window attends to the last ``window`` tokens only: parts wholly before
-      // it are empty, and the block it starts in is read from its edge, then masked.
-      const int64_t t_lo = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
-      const int64_t t_begin = std::max(std::min(lens[b], part * blocks_per_part * bs), t_lo / bs * bs);
-      const int64_t t_end = std::min(lens[b], (part + 1) * blocks_per_part * bs);
-      float* acc_p = merge ? part_acc.data() + it * G * D : acc.data();
-      float* m_p = merge ? part_ml.data() + it * G * 2 : m;
-      float* l_p = merge ? m_p + G : l;
-      if (t_begin >= t_end) {  // this sequence is shorter than the part's start
-        for (int64_t g = 0; g < G; ++g) {
-          m_p[g] = -INFINITY;
-          l_p[g] = 0.f;
-        }
-        for (int64_t j = 0; j < G * D; ++j) acc_p[j] = 0.f;
-        continue;
+  plan.grain = plan.merge ? 1 : std::max<int64_t>(1, (int64_t(8192) * plan.items) / std::max<int64_t>(1, work));
+  return plan;
+}
+
+// One layer's decode attention over a batch: q [B, H, D] and out (strides in elements),
+// that layer's K and V caches, the block tables and context lengths (checked by the
+// caller), a sliding window (0: none).
+template <typename T>
+struct DecodeArgs {
+  const T* qp;
+  int64_t q_s0, q_s1;
+  T* op;
+  int64_t o_s0, o_s1;
+  const T* kc;
+  const T* vc;
+  int64_t Hkv, NB, bs, G, D, width;
+  const int64_t* tables;
+  const int64_t* lens;
+  float scale;
+  int64_t window;
+};
+
+// Work items [begin, end) of ``plan``: each part's unnormalized sums and max/denominator
+// into part_acc/part_ml where the plan merges, else the normalized rows into out.
+template <typename T>
+void decode_items(const DecodeArgs<T>& a, const DecodePlan& plan, float* part_acc, float* part_ml, int64_t begin,
+                  int64_t end) {
+  const int64_t G = a.G, D = a.D, NC = D / 16, parts = plan.parts;
+  std::vector<float> scores;
+  std::vector<float> acc(size_t(G * D));
+  float m[16], l[16];
+  for (int64_t it = begin; it < end; ++it) {
+    const int64_t pair = it / parts, part = it % parts;
+    const int64_t b = pair / a.Hkv, h = pair % a.Hkv;
+    const int64_t len = a.lens[b];
+    // A sliding window attends to the last ``window`` tokens only: parts wholly before
+    // it are empty, and the block it starts in is read from its edge, then masked.
+    const int64_t t_lo = a.window > 0 ? std::max<int64_t>(0, len - a.window) : 0;
+    const int64_t t_begin = std::max(std::min(len, part * plan.blocks_per_part * a.bs), t_lo / a.bs * a.bs);
+    const int64_t t_end = std::min(len, (part + 1) * plan.blocks_per_part * a.bs);
+    float* acc_p = plan.merge ? part_acc + it * G * D : acc.data();
+    float* m_p = plan.merge ? part_ml + it * G * 2 : m;
+    float* l_p = plan.merge ? m_p + G : l;
+    if (t_begin >= t_end) {  // this sequence is shorter than the part's start
+      for (int64_t g = 0; g < G; ++g) {
+        m_p[g] = -INFINITY;
+        l_p[g] = 0.f;
       }
-      const T* qrows = qp + b * q.stride(0) + h * G * q.stride(1);
-      const T* kh = kc + h * NB * bs * D;
-      const T* vh = vc + h * NB * bs * D;
-      const int64_t* table = tables + b * width;
-      if (NC == 4)
-        decode_part<T, 4>(acc_p, m_p, l_p, qrows, q.stride(1), G, NC, kh, vh, bs, table, t_begin, t_end,
-                          t_lo, float(scale), scores);
-      else if (NC == 8)
-        decode_part<T, 8>(acc_p, m_p, l_p, qrows, q.stride(1), G, NC, kh, vh, bs, table, t_begin, t_end,
-                          t_lo, float(scale), scores);
-      else
-        decode_part<T, 0>(acc_p, m_p, l_p, qrows, q.stride(1), G, NC, kh, vh, bs, table, t_begin, t_end,
-                          t_lo, float(scale), scores);
-      if (!merge) {
-        for (int64_t g = 0; g < G; ++g) {
-          T* orow = op + b * out.stride(0) + (h * G + g) * out.stride(1);
-          const float inv = 1.f / l_p[g];
-          for (int64_t d = 0; d < D; ++d) store_f(orow + d, acc_p[g * D + d] * inv);
-        }
+      for (int64_t j = 0; j < G * D; ++j) acc_p[j] = 0.f;
+      continue;
+    }
+    const T* qrows = a.qp + b * a.q_s0 + h * G * a.q_s1;
+    const T* kh = a.kc + h * a.NB * a.bs * D;
+    const T* vh = a.vc + h * a.NB * a.bs * D;
+    const int64_t* table = a.tables + b * a.width;
+    if (NC == 4)
+      decode_part<T, 4>(acc_p, m_p, l_p, qrows, a.q_s1, G, NC, kh, vh, a.bs, table, t_begin, t_end, t_lo, a.scale,
+                        scores);
+    else if (NC == 8)
+      decode_part<T, 8>(acc_p, m_p, l_p, qrows, a.q_s1, G, NC, kh, vh, a.bs, table, t_begin, t_end, t_lo, a.scale,
+                        scores);
+    else
+      decode_part<T, 0>(acc_p, m_p, l_p, qrows, a.q_s1, G, NC, kh, vh, a.bs, table, t_begin, t_end, t_lo, a.scale,
+                        scores);
+    if (!plan.merge) {
+      for (int64_t g = 0; g < G; ++g) {
+        T* orow = a.op + b * a.o_s0 + (h * G + g) * a.o_s1;
+        const float inv = 1.f / l_p[g];
+        for (int64_t d = 0; d < D; ++d) store_f(orow + d, acc_p[g * D + d] * inv);
       }
     }
-  });
-  if (!merge) return;
-  // Parts in context order; an empty one (past the row's context, or before its window)
-  // is skipped, so that how many parts the longest context of the batch made never shows.
+  }
+}
+
+// The rows of (sequence, kv head) pairs [begin, end) from their parts, where the plan
+// merges. Parts in context order; an empty one (past the row's context, or before its
+// window) is skipped, so that how many parts the longest context of the batch made never
+// shows.
+template <typename T>
+void decode_merge(const DecodeArgs<T>& a, const DecodePlan& plan, const float* part_acc, const float* part_ml,
+                  int64_t begin, int64_t end) {
+  const int64_t G = a.G, D = a.D, parts = plan.parts;
   std::vector<float> w(static_cast<size_t>(parts));
-  for (int64_t pair = 0; pair < pairs; ++pair) {
-    const int64_t b = pair / Hkv, h = pair % Hkv;
+  for (int64_t pair = begin; pair < end; ++pair) {
+    const int64_t b = pair / a.Hkv, h = pair % a.Hkv;
     for (int64_t g = 0; g < G; ++g) {
       float mx = -INFINITY;
       for (int64_t p = 0; p < parts; ++p) mx = std::max(mx, part_ml[((pair * parts + p) * G * 2) + g]);
       float denom = 0.f;
       for (int64_t p = 0; p < parts; ++p) {
-        const float* ml = part_ml.data() + (pair * parts + p) * G * 2;
+        const float* ml = part_ml + (pair * parts + p) * G * 2;
         w[p] = ml[g] == -INFINITY ? 0.f : std::exp(ml[g] - mx);
         if (w[p] != 0.f) denom += w[p] * ml[G + g];
       }
-      T* orow = op + b * out.stride(0) + (h * G + g) * out.stride(1);
+      T* orow = a.op + b * a.o_s0 + (h * G + g) * a.o_s1;
       for (int64_t d = 0; d < D; ++d) {
         float v = 0.f;
         for (int64_t p = 0; p < parts; ++p)
@@ -537,6 +558,41 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const T* kc, co
       }
     }
   }
+}
+
+// Checks that every context length fits the block table and every block id it reads is
+// in the pool.
+inline void check_decode_tables(const int64_t* tables, const int64_t* lens, int64_t B, int64_t width, int64_t bs,
+                                int64_t NB) {
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= width * bs, "decode_attention: context length ", lens[b],
+                " outside [1, ", width * bs, "]");
+    for (int64_t j = 0; j < (lens[b] + bs - 1) / bs; ++j)
+      TORCH_CHECK(tables[b * width + j] >= 0 && tables[b * width + j] < NB,
+                  "decode_attention: block id out of range");
+  }
+}
+
+template <typename T>
+void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const T* kc, const T* vc, int64_t Hkv,
+                           int64_t NB, int64_t bs, const at::Tensor& block_tables,
+                           const at::Tensor& context_lens, double scale, int64_t window, int64_t split) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t width = block_tables.size(1);
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  check_decode_tables(tables, lens, B, width, bs, NB);
+  const DecodeArgs<T> args{q.data_ptr<T>(), q.stride(0), q.stride(1), out.data_ptr<T>(), out.stride(0),
+                           out.stride(1), kc, vc, Hkv, NB, bs, H / Hkv, D, width, tables, lens, float(scale),
+                           window};
+  const DecodePlan plan = decode_plan(B, Hkv, lens, bs, at::get_num_threads(), split);
+  const size_t G = size_t(H / Hkv);
+  std::vector<float> part_acc(plan.merge ? size_t(plan.items) * G * size_t(D) : 0);
+  std::vector<float> part_ml(plan.merge ? size_t(plan.items) * G * 2 : 0);
+  at::parallel_for(0, plan.items, plan.grain, [&](int64_t begin, int64_t end) {
+    decode_items<T>(args, plan, part_acc.data(), part_ml.data(), begin, end);
+  });
+  if (plan.merge) decode_merge<T>(args, plan, part_acc.data(), part_ml.data(), 0, plan.pairs);
 }
 
 // out, q: [B, H, D] (unit last stride); kv_cache: [layers, 2, Hkv, NB, bs, D] contiguous,

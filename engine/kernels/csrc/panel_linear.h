@@ -189,30 +189,46 @@ void panel_rows(const float* x, int64_t xs, int64_t rows, const W* panel, int64_
   }
 }
 
+// Panels [pb, pe) of y = x W^T (+ b) on plain panels: every row of x against each, in row
+// tiles of at most 6 (as even as possible: 26 rows are 6 + 5 + 5 + 5 + 5), prefetching
+// the next panel of the range into L2 meanwhile. One thread's share of linear_panels_impl.
 template <typename T, typename W>
-void linear_panels_impl(const float* xp, int64_t xs, int64_t M, int64_t K, const W* wp, int64_t N,
-                        const T* bp, T* yp) {
-  const int64_t P = (N + kPanel - 1) / kPanel;
-  // Row tiles of at most 6, as even as possible (26 rows: 6 + 5 + 5 + 5 + 5).
+void plain_panels_range(const float* xp, int64_t xs, int64_t M, int64_t K, const W* wp, int64_t N, const T* bp,
+                        T* yp, int64_t pb, int64_t pe) {
   const int64_t tiles = (M + 5) / 6;
   const int64_t base = M / tiles, extra = M % tiles;
   const int forced = g_panel_prefetch.load(std::memory_order_relaxed);
   const int per_k = forced >= 0 ? forced : prefetch_lines_per_k(tiles);
-  const int64_t threads = at::get_num_threads();
-  // Contiguous runs of panels per thread: each streams one region of memory.
-  at::parallel_for(0, P, (P + threads - 1) / threads, [&](int64_t pb, int64_t pe) {
-    for (int64_t p = pb; p < pe; ++p) {
-      const W* panel = wp + p * K * kPanel;
-      const char* pf = reinterpret_cast<const char*>(panel + K * kPanel);
-      const char* pf_end = p + 1 < pe ? reinterpret_cast<const char*>(panel + 2 * K * kPanel) : pf;
-      const int64_t cols = std::min(kPanel, N - p * kPanel);
-      const T* bias = bp ? bp + p * kPanel : nullptr;
-      for (int64_t t = 0, m = 0; t < tiles; ++t) {
-        const int64_t rows = base + (t < extra ? 1 : 0);
-        panel_rows<T, W>(xp + m * xs, xs, rows, panel, K, bias, yp + m * N + p * kPanel, N, cols, pf, pf_end, per_k);
-        m += rows;
-      }
+  for (int64_t p = pb; p < pe; ++p) {
+    const W* panel = wp + p * K * kPanel;
+    const char* pf = reinterpret_cast<const char*>(panel + K * kPanel);
+    const char* pf_end = p + 1 < pe ? reinterpret_cast<const char*>(panel + 2 * K * kPanel) : pf;
+    const int64_t cols = std::min(kPanel, N - p * kPanel);
+    const T* bias = bp ? bp + p * kPanel : nullptr;
+    for (int64_t t = 0, m = 0; t < tiles; ++t) {
+      const int64_t rows = base + (t < extra ? 1 : 0);
+      panel_rows<T, W>(xp + m * xs, xs, rows, panel, K, bias, yp + m * N + p * kPanel, N, cols, pf, pf_end, per_k);
+      m += rows;
     }
+  }
+}
+
+// The panels [begin, end) that thread ``tid`` of ``threads`` takes of P: contiguous runs,
+// as at::parallel_for(0, P, ceil(P / threads)) splits them, so each thread streams one
+// region of memory.
+inline std::pair<int64_t, int64_t> panel_share(int64_t P, int64_t threads, int64_t tid) {
+  const int64_t chunk = (P + threads - 1) / threads;
+  const int64_t b = std::min(P, tid * chunk);
+  return {b, std::min(P, b + chunk)};
+}
+
+template <typename T, typename W>
+void linear_panels_impl(const float* xp, int64_t xs, int64_t M, int64_t K, const W* wp, int64_t N,
+                        const T* bp, T* yp) {
+  const int64_t P = (N + kPanel - 1) / kPanel;
+  const int64_t threads = at::get_num_threads();
+  at::parallel_for(0, P, (P + threads - 1) / threads, [&](int64_t pb, int64_t pe) {
+    plain_panels_range<T, W>(xp, xs, M, K, wp, N, bp, yp, pb, pe);
   });
 }
 
@@ -249,32 +265,40 @@ inline void pair_panel_tile(const bf16* x, int64_t xs, const bf16* panel, int64_
   }
 }
 
+// Pair panels [pb, pe) of y = x W^T (+ b): every row of x against each, in row tiles of
+// at most 6, as even as possible. One thread's share of linear_pair_panels_impl.
+void pair_panels_range(const bf16* xp, int64_t xs, int64_t M, int64_t K, const bf16* wp, int64_t N,
+                       const bf16* bp, bf16* yp, int64_t pb, int64_t pe) {
+  const int64_t K2 = K / 2;
+  const int64_t tiles = (M + 5) / 6;
+  const int64_t base = M / tiles, extra = M % tiles;
+  for (int64_t p = pb; p < pe; ++p) {
+    const bf16* panel = wp + p * K * kPanel;
+    const int64_t cols = std::min(kPanel, N - p * kPanel);
+    const bf16* bias = bp ? bp + p * kPanel : nullptr;
+    for (int64_t t = 0, m = 0; t < tiles; ++t) {
+      const int64_t rows = base + (t < extra ? 1 : 0);
+      const bf16* xm = xp + m * xs;
+      bf16* ym = yp + m * N + p * kPanel;
+      switch (rows) {
+        case 6: pair_panel_tile<6>(xm, xs, panel, K2, bias, ym, N, cols); break;
+        case 5: pair_panel_tile<5>(xm, xs, panel, K2, bias, ym, N, cols); break;
+        case 4: pair_panel_tile<4>(xm, xs, panel, K2, bias, ym, N, cols); break;
+        case 3: pair_panel_tile<3>(xm, xs, panel, K2, bias, ym, N, cols); break;
+        case 2: pair_panel_tile<2>(xm, xs, panel, K2, bias, ym, N, cols); break;
+        default: pair_panel_tile<1>(xm, xs, panel, K2, bias, ym, N, cols);
+      }
+      m += rows;
+    }
+  }
+}
+
 void linear_pair_panels_impl(const bf16* xp, int64_t xs, int64_t M, int64_t K, const bf16* wp, int64_t N,
                              const bf16* bp, bf16* yp) {
-  const int64_t P = (N + kPanel - 1) / kPanel, K2 = K / 2;
-  const int64_t tiles = (M + 5) / 6;  // row tiles of at most 6, as even as possible
-  const int64_t base = M / tiles, extra = M % tiles;
+  const int64_t P = (N + kPanel - 1) / kPanel;
   const int64_t threads = at::get_num_threads();
   at::parallel_for(0, P, (P + threads - 1) / threads, [&](int64_t pb, int64_t pe) {
-    for (int64_t p = pb; p < pe; ++p) {
-      const bf16* panel = wp + p * K * kPanel;
-      const int64_t cols = std::min(kPanel, N - p * kPanel);
-      const bf16* bias = bp ? bp + p * kPanel : nullptr;
-      for (int64_t t = 0, m = 0; t < tiles; ++t) {
-        const int64_t rows = base + (t < extra ? 1 : 0);
-        const bf16* xm = xp + m * xs;
-        bf16* ym = yp + m * N + p * kPanel;
-        switch (rows) {
-          case 6: pair_panel_tile<6>(xm, xs, panel, K2, bias, ym, N, cols); break;
-          case 5: pair_panel_tile<5>(xm, xs, panel, K2, bias, ym, N, cols); break;
-          case 4: pair_panel_tile<4>(xm, xs, panel, K2, bias, ym, N, cols); break;
-          case 3: pair_panel_tile<3>(xm, xs, panel, K2, bias, ym, N, cols); break;
-          case 2: pair_panel_tile<2>(xm, xs, panel, K2, bias, ym, N, cols); break;
-          default: pair_panel_tile<1>(xm, xs, panel, K2, bias, ym, N, cols);
-        }
-        m += rows;
-      }
-    }
+    pair_panels_range(xp, xs, M, K, wp, N, bp, yp, pb, pe);
   });
 }
 #endif

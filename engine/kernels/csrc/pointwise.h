@@ -9,6 +9,29 @@ namespace baton_kernels {
 
 // HF/torch order: y = x.float() * rsqrt(mean(x.float()^2) + eps); out = weight * y.to(T).
 template <typename T>
+inline void rms_norm_row(T* orow, const T* xr, const T* wp, int64_t C, double eps) {
+  float ss = 0.f;
+  int64_t c = 0;
+  if (C >= 16) {
+    V16 acc = vzero();
+    for (; c + 16 <= C; c += 16) {
+      V16 v = vload(xr + c);
+      acc = vfma(v, v, acc);
+    }
+    ss = vsum(acc);
+  }
+  for (; c < C; ++c) ss += to_f(xr[c]) * to_f(xr[c]);
+  const float var = ss / float(C);
+  const float inv = 1.f / std::sqrt(var + float(eps));
+  const V16 iv = vset(inv);
+  for (c = 0; c + 16 <= C; c += 16) vstore_t(orow + c, vmul(vload(wp + c), vround_to<T>(vmul(vload(xr + c), iv))));
+  for (; c < C; ++c) {
+    const float y = round_to<T>(to_f(xr[c]) * inv);
+    store_f(orow + c, to_f(wp[c]) * y);
+  }
+}
+
+template <typename T>
 void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
   const int64_t N = x.size(0), C = x.size(1);
   const T* xp = x.data_ptr<T>();
@@ -16,30 +39,7 @@ void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& weigh
   T* op = out.data_ptr<T>();
   const int64_t xs = x.stride(0);
   at::parallel_for(0, N, std::max<int64_t>(1, 32768 / std::max<int64_t>(C, 1)), [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) {
-      const T* xr = xp + r * xs;
-      T* orow = op + r * C;
-      float ss = 0.f;
-      int64_t c = 0;
-      if (C >= 16) {
-        V16 acc = vzero();
-        for (; c + 16 <= C; c += 16) {
-          V16 v = vload(xr + c);
-          acc = vfma(v, v, acc);
-        }
-        ss = vsum(acc);
-      }
-      for (; c < C; ++c) ss += to_f(xr[c]) * to_f(xr[c]);
-      const float var = ss / float(C);
-      const float inv = 1.f / std::sqrt(var + float(eps));
-      const V16 iv = vset(inv);
-      for (c = 0; c + 16 <= C; c += 16)
-        vstore_t(orow + c, vmul(vload(wp + c), vround_to<T>(vmul(vload(xr + c), iv))));
-      for (; c < C; ++c) {
-        const float y = round_to<T>(to_f(xr[c]) * inv);
-        store_f(orow + c, to_f(wp[c]) * y);
-      }
-    }
+    for (int64_t r = b; r < e; ++r) rms_norm_row<T>(op + r * C, xp + r * xs, wp, C, eps);
   });
 }
 
@@ -146,26 +146,27 @@ std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& q, const at::Tensor&
 // x: [M, 2I] = [gate | up]; out = silu(gate) * up, rounded to T after each op like torch
 // (F.silu(gate) * up). silu(g) = g / (1 + exp(-g)).
 template <typename T>
+inline void silu_and_mul_row(T* o, const T* g, int64_t I) {
+  const T* u = g + I;
+  int64_t c = 0;
+  for (; c + 16 <= I; c += 16) {
+    const V16 gv = vload(g + c);
+    const V16 sv = vround_to<T>(vdiv(gv, vadd(vset(1.f), vexp(vmul(gv, vset(-1.f))))));
+    vstore_t(o + c, vmul(sv, vload(u + c)));
+  }
+  for (; c < I; ++c) {
+    const float gf = to_f(g[c]);
+    store_f(o + c, round_to<T>(gf / (1.f + std::exp(-gf))) * to_f(u[c]));
+  }
+}
+
+template <typename T>
 void silu_and_mul_impl(at::Tensor& out, const at::Tensor& x) {
   const int64_t M = x.size(0), I = x.size(1) / 2, xs = x.stride(0);
   const T* xp = x.data_ptr<T>();
   T* op = out.data_ptr<T>();
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) {
-      const T* g = xp + r * xs;
-      const T* u = g + I;
-      T* o = op + r * I;
-      int64_t c = 0;
-      for (; c + 16 <= I; c += 16) {
-        const V16 gv = vload(g + c);
-        const V16 sv = vround_to<T>(vdiv(gv, vadd(vset(1.f), vexp(vmul(gv, vset(-1.f))))));
-        vstore_t(o + c, vmul(sv, vload(u + c)));
-      }
-      for (; c < I; ++c) {
-        const float gf = to_f(g[c]);
-        store_f(o + c, round_to<T>(gf / (1.f + std::exp(-gf))) * to_f(u[c]));
-      }
-    }
+    for (int64_t r = b; r < e; ++r) silu_and_mul_row<T>(op + r * I, xp + r * xs, I);
   });
 }
 
