@@ -102,20 +102,29 @@ def _run_layers(layers: dict, step: dict, cache: torch.Tensor, split: int) -> to
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", _team_dtypes())
-@pytest.mark.parametrize(("rows", "split", "bias"), [(1, 0, False), (3, 32, True), (26, 0, True)])
+@pytest.mark.parametrize(
+    ("rows", "split", "bias", "threads"),
+    # Three threads: panel shares of 2, 2 and 1 (gate_up), the attention's items uneven.
+    [(1, 0, False, 2), (3, 32, True, 2), (26, 0, True, 2), (7, 0, False, 3)],
+)
 def test_the_team_stack_equals_the_layers_bit_for_bit(
-    dtype: torch.dtype, rows: int, split: int, bias: bool
+    dtype: torch.dtype, rows: int, split: int, bias: bool, threads: int
 ) -> None:
     assert KERNELS is not None
     gen = torch.Generator().manual_seed(rows)
     layers, step = _stack(dtype, bias, gen), _step(rows, dtype, gen)
     team_cache, layer_cache = step["cache"].clone(), step["cache"].clone()
-    with torch.inference_mode():
-        before = KERNELS.ops.decode_team_runs()
-        got = _run_stack(layers, step, team_cache, split)
-        assert KERNELS.ops.decode_team_runs() == before + 1, "the team served the stack"
-        ref = _run_layers(layers, step, layer_cache, split)
-        assert KERNELS.ops.decode_team_runs() == before + 1, "decode_layer never uses the team"
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            before = KERNELS.ops.decode_team_runs()
+            got = _run_stack(layers, step, team_cache, split)
+            assert KERNELS.ops.decode_team_runs() == before + 1, "the team served the stack"
+            ref = _run_layers(layers, step, layer_cache, split)
+            assert KERNELS.ops.decode_team_runs() == before + 1, "decode_layer never uses it"
+    finally:
+        torch.set_num_threads(saved)
     assert got.dtype == dtype and got.shape == (rows, C)
     assert torch.equal(got, ref)
     assert torch.equal(team_cache, layer_cache)
