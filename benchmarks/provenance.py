@@ -128,14 +128,16 @@ def header_lines(
     load_before: tuple[float, float, float],
     load_after: tuple[float, float, float],
     when: dt.datetime | None = None,
+    revision: str | None = None,
 ) -> list[str]:
     """The provenance lines every results file starts with (markdown); ``threads`` None
-    for a harness whose processes size their own teams."""
+    for a harness whose processes size their own teams; ``revision`` the tree's as the
+    run began (default: now)."""
     when = when or dt.datetime.now()
     team = "" if threads is None else f"; {threads} torch threads"
     return [
         f"Command: `{command}`  ",
-        f"Date: {when:%Y-%m-%d %H:%M}; git revision: {git_revision()}  ",
+        f"Date: {when:%Y-%m-%d %H:%M}; git revision: {revision or git_revision()}  ",
         f"Machine: {machine()}{team}  ",
         f"{isa_line()}  ",
         f"Load average (1/5/15 min): {'/'.join(f'{x:.2f}' for x in load_before)} before,"

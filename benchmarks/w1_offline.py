@@ -355,6 +355,8 @@ def main(argv: list[str] | None = None) -> Path:
     if opts.vllm_python is None:
         print(opts.vllm_skip_reason, flush=True)
     now = dt.datetime.now()
+    # The tree as the run began: writing the results below makes a tracked file differ.
+    revision = provenance.git_revision()
     load_before = os.getloadavg()
     started = time.monotonic()
     results, singles, notes = run_all(opts)
@@ -362,7 +364,9 @@ def main(argv: list[str] | None = None) -> Path:
     header = [
         f"# W1 offline throughput, {now:%Y-%m-%d %H:%M}",
         "",
-        *provenance.header_lines(command, opts.threads, load_before, os.getloadavg(), now),
+        *provenance.header_lines(
+            command, opts.threads, load_before, os.getloadavg(), now, revision
+        ),
         f"{time.monotonic() - started:.0f} s in all.",
     ]
     summaries = w1_report.summarize(results)
@@ -399,7 +403,7 @@ def main(argv: list[str] | None = None) -> Path:
     raw = {
         "date": now.isoformat(timespec="seconds"),
         "command": command,
-        "git_revision": provenance.git_revision(),
+        "git_revision": revision,
         "machine": provenance.machine(),
         "isa": provenance.isa_flags(),
         "host_kind": provenance.host_kind(provenance.isa_flags()),
