@@ -211,9 +211,11 @@ async def _kill_under_load(
         await traffic.wait_served(16, after=killed_at)  # the others carry the load
     try:
         counts = check(traffic.records, reference, FAILURE_BOUND_S)
-        # The kill hit requests in flight: they failed, or the gateway retried them elsewhere.
+        # The kill hit requests in flight: they failed, or the gateway retried them
+        # elsewhere (before their first token), or moved their streams to another worker.
         retried = sum(
-            "failed before its first token" in line and f"{kind} {victim}" in line
+            ("failed before its first token" in line and f"{kind} {victim}" in line)
+            or f"moved from {kind} {victim} " in line
             for line in _gateway_log(cluster)[mark:].splitlines()
         )
     finally:

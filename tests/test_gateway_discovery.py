@@ -191,6 +191,34 @@ async def test_a_draining_worker_is_out_at_once_and_its_stream_finishes() -> Non
     assert tokens == list(range(10, 30)) and rest[-1].finished
 
 
+async def test_a_worker_whose_process_died_is_out_at_once() -> None:
+    """kill -9 of a worker: nothing accepts connections at its address any more. The
+    router stops picking it at the next poll that fails to connect, not after
+    down_after_s (a replacement may not be in the fleet yet, and a request that retried
+    on it would spend its attempts on a closed port)."""
+    dying, other = FakeDecodeWorker(), FakeDecodeWorker()
+    server = RpcServer(
+        ServerSpec(
+            name="dying",
+            register=lambda s: worker_pb2_grpc.add_DecodeWorkerServicer_to_server(dying, s),
+            service_names=(DECODE_SERVICE,),
+            grace_s=0.0,
+        )
+    )
+    await server.start()
+    await server.wait_ready()
+    address = f"127.0.0.1:{server.port}"
+    async with fake_workers([other]) as (d, _):
+        router = make_router([address, d[0].address], down_after_s=30.0)
+        async with running(router):
+            await eventually(lambda: up_addresses(router) == {address, d[0].address})
+            await server.stop()  # the port closes, as when the process is gone
+            await eventually(lambda: up_addresses(router) == {d[0].address}, timeout=3.0)
+            worker = next(w for w in router.workers if w.address == address)
+            assert "cannot connect" in worker.last_error
+            assert {router.pick(1).decode for _ in range(4)} == {d[0].address}
+
+
 async def test_a_worker_that_left_dns_is_forgotten_after_its_last_stream() -> None:
     dns = FakeDNS()
     leaving, staying = FakeDecodeWorker(), FakeDecodeWorker()

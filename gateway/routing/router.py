@@ -11,7 +11,8 @@ Every worker's ``Stats`` is polled on its own task (each call with its own deadl
 worker is *up* while its last answer said it serves and that answer is at most
 ``down_after_s`` old: one missed poll (a busy engine, a dropped connection) does not take
 it out of rotation, silence does. A worker whose health says NOT_SERVING (it is draining
-on SIGTERM, or still starting) is out at once. Picks use the latest stats plus the picks
+on SIGTERM, or still starting), or at whose address nothing accepts a connection (its
+process died), is out at once. Picks use the latest stats plus the picks
 made since, so a burst between two polls spreads out:
 
 - decode: the most free KV blocks per unit of load (running + waiting + waiting for KV),
@@ -605,9 +606,15 @@ class Router:
             stats = await stub.Stats(worker_pb2.StatsRequest(), timeout=self._stats_timeout_s)
         except grpc.aio.AioRpcError as err:
             reason = f"Stats failed with {err.code().name}: {err.details()}"
-            if err.code() is grpc.StatusCode.UNAVAILABLE and await self._not_serving(channel):
-                worker.serving = False  # draining or starting: out of rotation at once
-                reason = f"health is NOT_SERVING ({err.details()})"
+            if err.code() is grpc.StatusCode.UNAVAILABLE:
+                if await self._not_serving(channel):
+                    worker.serving = False  # draining or starting: out of rotation at once
+                    reason = f"health is NOT_SERVING ({err.details()})"
+                elif _refused(channel):
+                    # Nothing accepts connections there (its process died): out at once,
+                    # not after down_after_s, which is for a busy or briefly cut-off worker.
+                    worker.serving = False
+                    reason = f"cannot connect ({err.details()})"
             self._missed(worker, reason, was_up)
             return False
         if stats.role not in ACCEPTED_ROLES[worker.kind]:
@@ -659,3 +666,10 @@ class Router:
             logger.debug("%s worker %s: %s", worker.kind.value, worker.address, reason)
         if was_up:
             self._resolve_soon.set()  # it may have been replaced: look the fleet up again
+
+
+def _refused(channel: grpc.aio.Channel) -> bool:
+    """Whether the channel's last attempt to connect failed (it waits in TRANSIENT_FAILURE
+    before the next): the address has no server, where a call that failed on a connected
+    channel (a reset, a GOAWAY) leaves it IDLE or READY."""
+    return channel.get_state(try_to_connect=False) is grpc.ChannelConnectivity.TRANSIENT_FAILURE
