@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.kernels.ops import argmax_rows
 from engine.request import TokenLogprob
 from engine.sampling_params import SamplingParams
 
@@ -90,7 +91,7 @@ class Sampler:
                 if banned:
                     logits[i, list(banned)] = float("-inf")
         if all(r.params.greedy for r in rows):
-            chosen = logits.argmax(dim=-1)
+            chosen = argmax_rows(logits)
         else:
             chosen = self._sample(logits, rows)
         chosen_list = chosen.tolist()
@@ -135,8 +136,8 @@ class Sampler:
         for i, r in enumerate(rows):
             if r.generator is not None:
                 noise[i].exponential_(generator=r.generator)
-        sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+        sampled = argmax_rows(probs / noise)
+        return torch.where(greedy, argmax_rows(logits), sampled)
 
     @staticmethod
     def _logprobs(

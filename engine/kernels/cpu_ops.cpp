@@ -19,6 +19,7 @@
 
 #include <string>
 
+#include "csrc/argmax.h"
 #include "csrc/attention.h"
 #include "csrc/decode_team.h"
 #include "csrc/linear.h"
@@ -321,6 +322,7 @@ TORCH_LIBRARY(baton_cpu, m) {
   m.def("has_bf16_dot() -> bool", &has_bf16_dot);
   m.def("set_panel_prefetch(int lines) -> int", &set_panel_prefetch);
   m.def("decode_team_runs() -> int", &decode_team_runs);
+  m.def("argmax_rows(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(baton_cpu, CPU, m) {
@@ -335,6 +337,7 @@ TORCH_LIBRARY_IMPL(baton_cpu, CPU, m) {
   m.impl("linear_panels", &linear_panels);
   m.impl("decode_layer", &decode_layer);
   m.impl("decode_stack", &decode_stack);
+  m.impl("argmax_rows", &argmax_rows);
 }
 
 // The prepacked weights decode_layer may take are MkldnnCPU tensors, which make the

@@ -226,6 +226,17 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` of 2-D logits; on CPU fp32 the compiled kernel (a vector pass
+    where torch's reduction takes one element at a time), with torch's answer: the first
+    index of the maximum, or of the first NaN."""
+    if x.is_cpu and x.dim() == 2 and x.dtype == torch.float32 and x.shape[1] and x.stride(1) == 1:
+        kernels = cpu_kernels()
+        if kernels is not None:
+            return kernels.ops.argmax_rows(x)
+    return x.argmax(dim=-1)
+
+
 def decode_layer(
     hidden: torch.Tensor,
     positions: torch.Tensor,
