@@ -50,7 +50,8 @@ def test_the_avx2_kernels_match_the_references_on_an_avx512_host() -> None:
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
          "tests/test_attention_kernels.py", "tests/test_decode_team.py",
-         "-k", "decode or window or panels or fused or team"],
+         "tests/test_argmax_kernel.py",
+         "-k", "decode or window or panels or fused or team or argmax"],
         env=env, cwd=REPO, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-4000:]
