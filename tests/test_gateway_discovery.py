@@ -128,6 +128,23 @@ async def running(router: Router) -> AsyncIterator[Router]:
         await router._channels.close()
 
 
+async def serve_decode(
+    worker: FakeDecodeWorker, name: str, grace_s: float
+) -> tuple[RpcServer, str]:
+    """``worker`` on a real server of its own (so a test can stop it), and its address."""
+    server = RpcServer(
+        ServerSpec(
+            name=name,
+            register=lambda s: worker_pb2_grpc.add_DecodeWorkerServicer_to_server(worker, s),
+            service_names=(DECODE_SERVICE,),
+            grace_s=grace_s,
+        )
+    )
+    await server.start()
+    await server.wait_ready()
+    return server, f"127.0.0.1:{server.port}"
+
+
 def up_addresses(router: Router, kind: WorkerKind = WorkerKind.DECODE) -> set[str]:
     return {w.address for w in router.workers if w.kind is kind and w.up}
 
@@ -157,17 +174,7 @@ async def test_a_draining_worker_is_out_at_once_and_its_stream_finishes() -> Non
     poll (not after down_after_s), while the stream it serves runs to its end."""
     draining, other = FakeDecodeWorker(), FakeDecodeWorker()
     draining.script = Script(token_ids=list(range(10, 30)), delay_s=0.05)
-    server = RpcServer(
-        ServerSpec(
-            name="draining",
-            register=lambda s: worker_pb2_grpc.add_DecodeWorkerServicer_to_server(draining, s),
-            service_names=(DECODE_SERVICE,),
-            grace_s=10.0,
-        )
-    )
-    await server.start()
-    await server.wait_ready()
-    address = f"127.0.0.1:{server.port}"
+    server, address = await serve_decode(draining, "draining", grace_s=10.0)
     dns = FakeDNS()
     dns.answers["decode"] = [address]
     async with fake_workers([other]) as (d, _):
@@ -197,17 +204,7 @@ async def test_a_worker_whose_process_died_is_out_at_once() -> None:
     down_after_s (a replacement may not be in the fleet yet, and a request that retried
     on it would spend its attempts on a closed port)."""
     dying, other = FakeDecodeWorker(), FakeDecodeWorker()
-    server = RpcServer(
-        ServerSpec(
-            name="dying",
-            register=lambda s: worker_pb2_grpc.add_DecodeWorkerServicer_to_server(dying, s),
-            service_names=(DECODE_SERVICE,),
-            grace_s=0.0,
-        )
-    )
-    await server.start()
-    await server.wait_ready()
-    address = f"127.0.0.1:{server.port}"
+    server, address = await serve_decode(dying, "dying", grace_s=0.0)
     async with fake_workers([other]) as (d, _):
         router = make_router([address, d[0].address], down_after_s=30.0)
         async with running(router):
