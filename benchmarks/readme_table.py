@@ -160,10 +160,12 @@ def w1_section(path: Path) -> list[str]:
             f" {opts.get('single_new_tokens', '?')} new tokens), decode tok/s against the"
             " weight-read floor (the memcpy rate measured at the start of the run / weight"
             " bytes) and against the read bound (a plain read of memory at the same threads"
-            " / weight bytes: no batch-1 step that reads every weight once goes faster),"
-            " read once at the start of the run and, where measured, just before and after"
-            " each stream (median; the ratio is the median over runs of each stream against"
-            " its own reads):",
+            " / weight bytes: no batch-1 step that reads every weight once goes faster than"
+            " a read made at the same moment), read once at the start of the run and, where"
+            " measured, just before and after each stream (median; the ratio is the median"
+            " over runs of each stream against its own reads). A host whose memory bandwidth"
+            " drifts can give a stream more than the read at the start: the reads around it"
+            " are its yardstick:",
             "",
             markdown_table(headers, rows),
         ]
