@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -514,8 +515,38 @@ class LocalCluster:
         raise TimeoutError(f"{proc.kind} did not report its port in time; log: {proc.log}")
 
 
+# Where the kernel's ephemeral ports start when /proc does not say (Linux's default).
+EPHEMERAL_LOW = 32768
+# How far below the ephemeral range _free_port looks.
+BELOW_EPHEMERAL = 12000
+
+
+def ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (net.ipv4.ip_local_port_range)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return EPHEMERAL_LOW
+
+
 def _free_port() -> int:
-    """A port free on 127.0.0.1 now (the process binds it a moment later)."""
+    """A port free on 127.0.0.1 now, for a process that binds it seconds later.
+
+    Picked below the kernel's ephemeral range: a port from bind(0) is one the kernel hands
+    out again to the next outgoing connection or bind(0) of any process in those seconds
+    (a worker then exited with 'Address already in use' on its metrics port), where a port
+    below the range is taken only by a process that names it."""
+    low = ephemeral_low()
+    if low - 1024 >= 1000:
+        rng = random.SystemRandom()
+        for _ in range(100):
+            port = rng.randrange(max(1024, low - BELOW_EPHEMERAL), low)
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
