@@ -47,18 +47,11 @@ inline std::atomic<int64_t> g_decode_team_runs{0};
 
 int64_t decode_team_runs() { return g_decode_team_runs.load(); }
 
-// The share [begin, end) of n items that thread tid of nt takes.
-inline std::pair<int64_t, int64_t> team_share(int64_t n, int64_t nt, int64_t tid) {
-  const int64_t chunk = (n + nt - 1) / nt;
-  const int64_t b = std::min(n, tid * chunk);
-  return {b, std::min(n, b + chunk)};
-}
-
 // Thread tid's panels of y [M, N] = x [M, K] W^T (+ b).
 template <typename T, typename W>
 inline void team_linear(const T* x, int64_t M, int64_t K, const W* w, int64_t N, const T* b, T* y, int64_t nt,
                         int64_t tid) {
-  const auto [pb, pe] = panel_share((N + kPanel - 1) / kPanel, nt, tid);
+  const auto [pb, pe] = thread_share((N + kPanel - 1) / kPanel, nt, tid);
   if (pb >= pe) return;
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, bf16> && std::is_same_v<W, bf16>) {
@@ -107,9 +100,9 @@ void decode_team(const T* hidden, T* out, const std::vector<TeamLayer<T, W>>& la
 #pragma omp parallel num_threads(threads)
   {
     const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
-    const auto [rb, re] = team_share(M, nt, tid);
-    const auto [ib, ie] = team_share(plan.items, nt, tid);
-    const auto [pb, pe] = team_share(plan.pairs, nt, tid);
+    const auto [rb, re] = thread_share(M, nt, tid);
+    const auto [ib, ie] = thread_share(plan.items, nt, tid);
+    const auto [pb, pe] = thread_share(plan.pairs, nt, tid);
     for (size_t l = 0; l < layers.size(); ++l) {
       const TeamLayer<T, W>& w = layers[l];
       const T* in = l == 0 ? hidden : hs;

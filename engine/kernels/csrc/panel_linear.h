@@ -213,13 +213,13 @@ void plain_panels_range(const float* xp, int64_t xs, int64_t M, int64_t K, const
   }
 }
 
-// The panels [begin, end) that thread ``tid`` of ``threads`` takes of P: contiguous runs,
-// as at::parallel_for(0, P, ceil(P / threads)) splits them, so each thread streams one
-// region of memory.
-inline std::pair<int64_t, int64_t> panel_share(int64_t P, int64_t threads, int64_t tid) {
-  const int64_t chunk = (P + threads - 1) / threads;
-  const int64_t b = std::min(P, tid * chunk);
-  return {b, std::min(P, b + chunk)};
+// The items [begin, end) that thread ``tid`` of ``threads`` takes of n: contiguous runs,
+// as at::parallel_for(0, n, ceil(n / threads)) splits them (so each thread streams one
+// region of a linear layer's panels).
+inline std::pair<int64_t, int64_t> thread_share(int64_t n, int64_t threads, int64_t tid) {
+  const int64_t chunk = (n + threads - 1) / threads;
+  const int64_t b = std::min(n, tid * chunk);
+  return {b, std::min(n, b + chunk)};
 }
 
 template <typename T, typename W>
