@@ -29,6 +29,11 @@ size of one owner on it. Seat files are empty: only their locks speak.
 
 Deterministic workers lend but never borrow: their kernels' reduction order must not
 change with the team. Torch-free; the caller applies the :class:`Team`.
+
+The workers that borrow from one directory form a *core group* (:func:`core_group`): the
+router packs a group's decode streams onto one of them, which then runs on the cores the
+idle others lend, rather than spread them so that each reads the weights for its own
+small batch on its own core.
 """
 
 from __future__ import annotations
@@ -62,6 +67,16 @@ class Team:
 
     cpus: frozenset[int]
     threads: int
+
+
+def core_group(directory: Path) -> str:
+    """The name shared by every worker that borrows from ``directory``: the boot's id and
+    the directory, so that workers on different hosts (or boots) never share one."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:  # not Linux: the host's name stands in
+        boot = os.uname().nodename
+    return f"{boot}:{directory.resolve()}"
 
 
 def share_path(directory: Path, cpus: frozenset[int]) -> Path:
@@ -176,6 +191,8 @@ class CoreLending:
             raise ValueError(f"threads must be >= 1, got {threads}")
         self.home = Team(frozenset(home), threads)
         self.borrow = borrow
+        # Only a borrower gains from the streams its group packs onto it.
+        self.group = core_group(directory) if borrow else ""
         self.reclaim_wait_s = reclaim_wait_s
         self._lock = threading.Lock()
         own, mine = share_path(directory, self.home.cpus), seat_path(directory, home, seat)

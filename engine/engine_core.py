@@ -222,6 +222,7 @@ class EngineCore:
             attention_fallback=self.attention_fallback,
             borrowed_forwards=lending.borrowed_forwards if lending else 0,
             core_wait_seconds=lending.waited_s if lending else 0.0,
+            core_group=lending.group if lending else "",
         )
 
     def generate(

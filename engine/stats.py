@@ -47,6 +47,8 @@ class EngineStats:
     # back, since start.
     borrowed_forwards: int = 0
     core_wait_seconds: float = 0.0
+    # The core group this worker borrows in (engine.core_lending.core_group); "": none.
+    core_group: str = ""
 
 
 # Upper bounds (seconds) of the KV transfer duration histogram: a few blocks over shm

@@ -371,4 +371,5 @@ def worker_stats_to_proto(
         max_num_seqs=stats.max_num_seqs,
         max_queued_requests=stats.max_queued_requests,
         cpu_kernel_routes=dict(stats.cpu_kernel_routes),
+        core_group=stats.core_group,
     )

@@ -74,6 +74,11 @@ class WorkerState:
     ended_since_poll: int = 0  # of those, the ones that ended since the last answer
     # max_num_seqs + max_queued_requests as the worker reports them; 0: not reported.
     capacity: int = 0
+    max_num_seqs: int = 0  # seats: requests it runs at once; 0: not reported
+    waiting: int = 0  # requests it queues without seats or blocks (its last report)
+    block_size: int = 0  # tokens per KV block; 0: not reported
+    # Workers on one host that lend each other idle cores share a group (Stats field 16).
+    core_group: str = ""
     left: bool = False  # no longer in its fleet's answer: forgotten once in_flight is 0
     # CPU: row class -> kernel route the worker runs its linear layers on (Stats field 15).
     cpu_kernel_routes: dict[str, str] = field(default_factory=dict)
@@ -100,6 +105,19 @@ class WorkerState:
         full), so the gateway refuses it itself, without the round trip."""
         return self.capacity > 0 and self.occupancy >= self.capacity
 
+    def seats_now(self, prompt_tokens: int) -> bool:
+        """A request sent here now would start at once, as far as this gateway knows: a
+        free seat, nothing queued ahead of it, and free blocks for its prompt (those of
+        the requests picked since the last report not counted: they take a seat each)."""
+        if not self.max_num_seqs or not self.block_size:
+            return False
+        blocks = -(-max(1, prompt_tokens) // self.block_size)
+        return (
+            self.occupancy < self.max_num_seqs
+            and not self.waiting
+            and self.free_kv_blocks >= blocks
+        )
+
     def decode_score(self) -> float:
         """Higher is better: free blocks per unit of (reported + recently added) load."""
         return self.free_kv_blocks / (1 + self.load + self.picks_since_poll)
@@ -119,6 +137,11 @@ class WorkerState:
         self.picks_since_poll = 0
         self.prompt_tokens_since_poll = 0
         self.ended_since_poll = 0
+        self.max_num_seqs = stats.max_num_seqs
+        # Not those waiting for their KV: they hold their seats and blocks already.
+        self.waiting = stats.num_waiting
+        self.block_size = stats.kv_layout.block_size
+        self.core_group = stats.core_group
         if stats.max_num_seqs and stats.max_queued_requests:
             self.capacity = stats.max_num_seqs + stats.max_queued_requests
         else:

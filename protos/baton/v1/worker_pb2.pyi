@@ -174,7 +174,7 @@ class KVEventBatch(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., snapshot: _Optional[bool] = ..., stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("role", "incarnation_id", "total_kv_blocks", "free_kv_blocks", "num_running", "num_waiting", "num_waiting_for_kv", "queued_prompt_tokens", "busy_fraction", "prefix_cache_hit_tokens", "held_kv_blocks", "kv_layout", "max_num_seqs", "max_queued_requests", "cpu_kernel_routes")
+    __slots__ = ("role", "incarnation_id", "total_kv_blocks", "free_kv_blocks", "num_running", "num_waiting", "num_waiting_for_kv", "queued_prompt_tokens", "busy_fraction", "prefix_cache_hit_tokens", "held_kv_blocks", "kv_layout", "max_num_seqs", "max_queued_requests", "cpu_kernel_routes", "core_group")
     class CpuKernelRoutesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -197,6 +197,7 @@ class WorkerStats(_message.Message):
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CPU_KERNEL_ROUTES_FIELD_NUMBER: _ClassVar[int]
+    CORE_GROUP_FIELD_NUMBER: _ClassVar[int]
     role: WorkerRole
     incarnation_id: str
     total_kv_blocks: int
@@ -212,4 +213,5 @@ class WorkerStats(_message.Message):
     max_num_seqs: int
     max_queued_requests: int
     cpu_kernel_routes: _containers.ScalarMap[str, str]
-    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., incarnation_id: _Optional[str] = ..., total_kv_blocks: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_waiting_for_kv: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., busy_fraction: _Optional[float] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., held_kv_blocks: _Optional[int] = ..., kv_layout: _Optional[_Union[_kv_pb2.KVLayout, _Mapping]] = ..., max_num_seqs: _Optional[int] = ..., max_queued_requests: _Optional[int] = ..., cpu_kernel_routes: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    core_group: str
+    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., incarnation_id: _Optional[str] = ..., total_kv_blocks: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_waiting_for_kv: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., busy_fraction: _Optional[float] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., held_kv_blocks: _Optional[int] = ..., kv_layout: _Optional[_Union[_kv_pb2.KVLayout, _Mapping]] = ..., max_num_seqs: _Optional[int] = ..., max_queued_requests: _Optional[int] = ..., cpu_kernel_routes: _Optional[_Mapping[str, str]] = ..., core_group: _Optional[str] = ...) -> None: ...
