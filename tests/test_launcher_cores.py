@@ -148,6 +148,28 @@ def test_more_workers_than_cores_own_them_in_turn_and_borrow_idle_ones(tiny_llam
                 time.sleep(0.05)
             assert thread_masks(proc.popen.pid) == {proc.cores.cpus}, proc.kind
 
+        # The decode workers lend each other cores (one core group), so a burst is packed
+        # onto one of them, which computes on both CPUs, rather than spread over two
+        # that would each read the weights for half the rows. Prompts of 40 tokens go to
+        # a prefill worker (past the default local-prefill bound).
+        before = [scrape(p).get("baton_generation_tokens_total", 0.0) for p in decoders]
+
+        async def burst() -> None:
+            async with gateway_stub(cluster.gateway_address) as stub:
+                requests = [ids_request(40, f"burst-{i}", max_tokens=12) for i in range(4)]
+                outcomes = await asyncio.gather(*(generate(stub, r) for r in requests))
+            for outcome in outcomes:
+                assert_completed(outcome, 12, cluster.logs())
+
+        asyncio.run(burst())
+        for _ in range(100):
+            after = [scrape(p).get("baton_generation_tokens_total", 0.0) for p in decoders]
+            added = sorted(a - b for a, b in zip(after, before, strict=True))
+            if sum(added) >= 4 * 11:
+                break
+            time.sleep(0.05)
+        assert added[0] == 0 and added[1] >= 4 * 11, (before, after)
+
 
 def test_add_workers_refuses_bad_kinds_and_one_command_line_for_several(tmp_path: Path) -> None:
     """Checked before anything starts: nothing is spawned."""

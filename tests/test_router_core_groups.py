@@ -8,8 +8,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from engine.core_lending import CoreLending, core_group, create_share
+from engine.kv_events import prefix_block_hashes
 from engine.kv_layout import KVLayout
 from engine.stats import EngineStats
+from gateway.routing.kv_feed import KVFeed
+from gateway.routing.kv_index import KVIndex
 from gateway.routing.router import Router
 from gateway.routing.workers import WorkerKind, WorkerState
 from protos.baton.v1 import kv_pb2, worker_pb2
@@ -139,3 +142,55 @@ def test_the_group_travels_in_stats_to_the_router() -> None:
     state.update(convert.worker_stats_to_proto("decode", "inc", stats, 0.0, layout))
     assert state.core_group == HOST_A
     assert state.block_size == 16
+
+
+def kv_router(local_prefill_tokens: int) -> tuple[Router, KVIndex]:
+    """Cache-aware routing (the default), conditional disaggregation at the given bound."""
+    index, channels = KVIndex(), ChannelCache()
+    r = Router(
+        ["d0:1", "d1:1"],
+        ["p0:1"],
+        channels,
+        kv_feed=KVFeed(index, channels),
+        local_prefill_tokens=local_prefill_tokens,
+    )
+    for address in ("d0:1", "d1:1"):
+        set_up(r, address, HOST_A)
+    set_up(r, "p0:1")
+    return r, index
+
+
+def prompt(label: int) -> list[int]:
+    return [1000 * label + t for t in range(32)]  # two blocks; no two labels share one
+
+
+def test_short_prompts_prefilled_on_decode_workers_are_packed_too() -> None:
+    r, _ = kv_router(local_prefill_tokens=64)
+    routes = [r.pick(32, prompt=prompt(i)) for i in range(4)]
+    assert [route.prefill for route in routes] == [""] * 4  # local prefills
+    # Packed while the first member's local prompt tokens (two of 32) fit in the bound
+    # that keeps its streams' inter-token latency; then the next member.
+    assert [route.decode for route in routes] == ["d0:1", "d0:1", "d1:1", "d1:1"]
+
+
+def test_remote_prefills_with_nothing_cached_are_packed() -> None:
+    r, _ = kv_router(local_prefill_tokens=0)
+    routes = [r.pick(32, prompt=prompt(i)) for i in range(4)]
+    assert {route.prefill for route in routes} == {"p0:1"}
+    assert [route.decode for route in routes] == ["d0:1"] * 4
+
+
+def test_a_member_holding_the_prompts_prefix_keeps_it_over_packing() -> None:
+    r, index = kv_router(local_prefill_tokens=0)
+    held = prompt(7)
+    index.apply(
+        "d1:1",
+        seq=1,
+        snapshot=True,
+        stored=prefix_block_hashes(held, 16),
+        removed=(),
+        block_size=16,
+    )
+    set_up(r, "d0:1", HOST_A, num_running=2)  # the busier one, which packing would fill
+    assert r.pick(32, prompt=held).decode == "d1:1"
+    assert r.pick(32, prompt=prompt(8)).decode == "d0:1"  # nothing held: packed

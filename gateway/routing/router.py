@@ -277,12 +277,14 @@ class Router:
         least ``local_cached_fraction`` of it, and with no prompt tokens queued (its
         report plus this gateway's local picks since) or few enough that they and this
         prompt's uncached ones stay within ``local_prefill_tokens``; the one holding
-        most, then the best by free blocks and load."""
+        most, then the best by free blocks and load (by :func:`_packed` where none holds
+        any of it)."""
         assert self._kv_feed is not None
         index = self._kv_feed.index
         n = len(prompt.token_ids)
         best: tuple[int, float, WorkerState] | None = None
-        for w in self._workers[WorkerKind.DECODE].values():
+        fit: list[tuple[int, WorkerState]] = []
+        for i, w in enumerate(self._workers[WorkerKind.DECODE].values()):
             if not w.up or w.full or w.address in avoid:
                 continue
             # Only what it holds now: a prefix still on its way here would be computed
@@ -295,10 +297,13 @@ class Router:
                 cached < self._local_cached_fraction * n or not cached
             ):
                 continue
+            fit.append((i, w))
             key = (cached, w.decode_score(), w)
             if best is None or key[:2] > best[:2]:
                 best = key
-        return None if best is None else best[2]
+        if best is None:
+            return None
+        return best[2] if best[0] else _packed(fit, n)
 
     def _uncached(self, worker: WorkerState, n: int, prompt: PromptHashes | None) -> int:
         """Prompt tokens ``worker``, chosen to compute the prompt, would compute (all of
