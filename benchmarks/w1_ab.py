@@ -26,6 +26,7 @@ from pathlib import Path
 
 from benchmarks import common, provenance
 from benchmarks.common import RunResult, RunSpec
+from engine.config import CPU_KERNEL_MODES
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -74,8 +75,17 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--single-new-tokens", type=int, default=64)
+    ap.add_argument(
+        "--cpu-kernels",
+        default="auto",
+        choices=CPU_KERNEL_MODES,
+        help="both trees' EngineConfig.cpu_kernels (default: ops' constants, no timing)",
+    )
+    ap.add_argument("--tag", default="", help="appended to the results file's name")
     ap.add_argument("--results-dir", type=Path, default=REPO / "benchmarks" / "results")
     args = ap.parse_args(argv)
+    if args.tag and not all(c.isalnum() or c in "-_" for c in args.tag):
+        ap.error(f"--tag may hold letters, digits, '-' and '_' only, got {args.tag!r}")
     from engine.model_files import resolve_model
 
     model = str(resolve_model("smollm2-135m").path)
@@ -94,6 +104,7 @@ def main(argv: list[str] | None = None) -> Path:
                         workload=str(common.DEFAULT_WORKLOAD), limit=args.limit,
                         threads=args.threads, kv_cache_gib=1.0, max_model_len=1024,
                         single_new_tokens=args.single_new_tokens if mode == "sync" else 0,
+                        cpu_kernels=args.cpu_kernels,
                     )  # fmt: skip
                     r = run_tree(tree, spec, Path(tmp) / f"{rep}-{mode}-{len(results)}.json")
                     r.extra["run"] = rep + 1
@@ -145,7 +156,7 @@ def main(argv: list[str] | None = None) -> Path:
     ]
     text = "\n".join(lines) + "\n"
     print(text)
-    suffix = f"_limit{args.limit}" if args.limit else ""
+    suffix = (f"_limit{args.limit}" if args.limit else "") + args.tag
     out = args.results_dir / f"w1_ab_{now:%Y-%m-%d}_{args.dtype}{suffix}.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)

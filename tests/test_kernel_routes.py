@@ -557,3 +557,37 @@ def test_a_candidate_far_slower_than_one_timed_before_it_is_not_timed_further(
     runs.clear()
     timer(DECODE_ROWS, "torch", 32)
     assert runs["torch"] > 2 * sweep
+
+
+def test_small_batches_default_to_the_panels_where_there_are_panels() -> None:
+    """Only on panels does a decode step run its whole stack in one OpenMP team, which a
+    per-layer timing cannot see: the bf16 GEMV must beat the panels by the margin, not
+    merely match them, to take batches of up to four rows (on one host the start-up
+    timings put it within 10% of the panels in 3 of 6 processes, which then lost the team)."""
+    avx512 = {"kernels": True, "panels": True, "onednn": True, "bf16_dot": True}
+    defaults = default_routes("bfloat16", **avx512)
+    assert defaults[GEMV_ROWS] == defaults[DECODE_ROWS] == defaults["lm_head_gemv"] == "panels"
+    plan = {GEMV_ROWS: (1, 4)}
+    close = {"gemv": 0.95, "panels": 1.0, "onednn": 2.0, "torch": 3.0}
+    table = measure_table(plan, {GEMV_ROWS: tuple(close)}, defaults, lambda c, r, n: close[r])
+    assert table.routes[GEMV_ROWS] == "panels"
+    # Without panels (a prefill worker's layers) the GEMV is the default, as before.
+    no_panels = default_routes("bfloat16", **{**avx512, "panels": False})
+    assert no_panels[GEMV_ROWS] == "gemv"
+
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="needs the compiled CPU kernels")
+def test_the_constants_run_a_stream_on_the_team_stack(tiny_llama: Path) -> None:
+    """``--cpu-kernels default``: with panels, a batch of one runs on them (the bf16 GEMV
+    took it before, and the stack then ran layer by layer), so the team serves it."""
+    from engine.sampling_params import SamplingParams
+
+    kernels = cpu_kernels()
+    assert kernels is not None
+    dtype = "bfloat16" if kernels.bf16_dot else "float32"  # the team's panel kinds
+    core = make_core(tiny_llama, dtype=dtype, cpu_kernels="default")
+    assert core.runner.kernel_routes is not None and core.runner.kernel_routes.constants
+    before = kernels.ops.decode_team_runs()
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    core.generate([[5, 6, 7, 8]], params)
+    assert kernels.ops.decode_team_runs() - before == 5  # every decode step

@@ -62,10 +62,10 @@ int64_t route_for(at::IntArrayRef routes, int64_t M) {
 }
 
 // The kernel the Python path (engine.kernels.ops.linear) would run for M rows: the route
-// measured for their row class (``routes``) where it serves them; otherwise the bf16 GEMV
-// up to kGemvMaxRows rows, then the panel-packed kernel up to kPanelMaxRows when there
-// are panels, else the prepacked weight when there is one (not for a single fp32 row,
-// where MKL's GEMV is at the bandwidth), else at::linear (kTorch).
+// measured for their row class (``routes``) where it serves them; otherwise the
+// panel-packed kernel up to kPanelMaxRows when there are panels, else the bf16 GEMV up to
+// kGemvMaxRows rows, else the prepacked weight when there is one (not for a single fp32
+// row, where MKL's GEMV is at the bandwidth), else at::linear (kTorch).
 int64_t linear_route(at::IntArrayRef routes, int64_t M, bool bf16, bool has_panels, bool has_packed) {
   switch (route_for(routes, M)) {
     case kTorch: return kTorch;
@@ -74,8 +74,8 @@ int64_t linear_route(at::IntArrayRef routes, int64_t M, bool bf16, bool has_pane
     case kOnednn: if (has_packed) return kOnednn; break;
     default: break;
   }
-  if (bf16 && M <= kGemvMaxRows && kHasBf16Dot) return kGemv;
   if (has_panels && M <= kPanelMaxRows) return kPanels;
+  if (bf16 && M <= kGemvMaxRows && kHasBf16Dot) return kGemv;
   if (has_packed && (bf16 || M > 1)) return kOnednn;
   return kTorch;
 }

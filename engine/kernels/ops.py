@@ -20,7 +20,8 @@ from engine.kernels.cpu import cpu_kernels
 logger = logging.getLogger(__name__)
 
 # Rows up to which the bf16 GEMV kernel beats oneDNN's matmul (measured on AVX512-BF16:
-# 1.9x at one row, 1.6x at four, even at eight, behind from twelve).
+# 1.9x at one row, 1.6x at four, even at eight, behind from twelve); where a layer has
+# panels, the panel kernel serves these rows (``linear``).
 GEMV_MAX_ROWS = 4
 # Rows from which a bf16 linear layer runs faster as an fp32 GEMM on widened operands:
 # this CPU's bf16 GEMM (AVX512-BF16, no AMX) computes slower than its fp32 one, which
@@ -107,9 +108,10 @@ def linear(
     measured fastest for this many rows) runs that kernel where it serves these operands;
     without one, or where it does not serve them, the constants below decide.
 
-    bf16 CPU batches of up to ``GEMV_MAX_ROWS`` rows run the AVX512-BF16 GEMV kernel, which
-    streams the weight at nearly the memory bandwidth (oneDNN: about half of it). Then,
-    up to ``PANEL_MAX_ROWS`` rows, the panel kernel when there are panels. bf16 batches of
+    Batches of up to ``PANEL_MAX_ROWS`` rows run the panel kernel when there are panels;
+    without panels, bf16 CPU batches of up to ``GEMV_MAX_ROWS`` rows run the AVX512-BF16
+    GEMV kernel, which streams the weight at nearly the memory bandwidth (oneDNN: about
+    half of it). bf16 batches of
     ``WIDE_MIN_ROWS`` rows or more run on the widened weight as fp32 GEMMs. Other batches
     (and fp32 from two rows) use the prepacked weight when there is one.
 
@@ -128,7 +130,8 @@ def linear(
     if x.dim() == 2 and x.is_cpu:
         rows = x.shape[0]
         if (
-            rows <= GEMV_MAX_ROWS
+            panels is None
+            and rows <= GEMV_MAX_ROWS
             and x.dtype == torch.bfloat16
             and weight.dtype == torch.bfloat16
             and x.shape[1] % 32 == 0

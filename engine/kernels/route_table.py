@@ -152,7 +152,11 @@ def default_routes(
     bf16 = dtype == "bfloat16"
     big = ONEDNN if onednn else TORCH
     mid = PANELS if kernels and panels else big
-    small = GEMV if bf16 and kernels and bf16_dot else mid
+    # The panels before the bf16 GEMV where there are panels: per layer they were ahead
+    # of it or level on AVX512-BF16 (the start-up timings of 6 processes on one host), and
+    # only on panels does a decode step run its whole stack in one OpenMP team
+    # (csrc/decode_team.h), which a per-layer timing cannot see.
+    small = mid if mid == PANELS or not (bf16 and kernels and bf16_dot) else GEMV
     prefill = WIDE if bf16 and wide else big
     head_mid = mid if mid != TORCH or not _head_wide(dtype, onednn, wide) else WIDE
     head_small = small if small != TORCH else head_mid
