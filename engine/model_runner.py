@@ -350,7 +350,7 @@ class ModelRunner:
     @torch.inference_mode()
     def _forward_logits(self, step: PreparedStep) -> torch.Tensor:
         self._fill_pending(step)
-        return self._forward(step)
+        return self._forward(step).float()
 
     def _fill_pending(self, step: PreparedStep) -> None:
         if step.pending_rows:
@@ -365,7 +365,9 @@ class ModelRunner:
         fill_prompt_logprobs(self.model.compute_logits, batch.prompt_lp, hidden)
         if not batch.sample_seq_idx:
             return hidden.new_empty((0, self.model_cfg.vocab_size), dtype=torch.float32)
-        return self.model.compute_logits(hidden[batch.sample_rows]).float()
+        # In the model's dtype: the sampler widens them only for a row that needs more
+        # than their argmax.
+        return self.model.compute_logits(hidden[batch.sample_rows])
 
     def _sampling_row(self, seq: ScheduledSeq) -> SamplingRow:
         req = seq.request

@@ -70,8 +70,15 @@ class Sampler:
     def __call__(
         self, logits: torch.Tensor, rows: list[SamplingRow], masks: GrammarMasks | None = None
     ) -> list[tuple[int, TokenLogprob | None]]:
-        """logits: [S, V] float32, one row per entry of ``rows``; ``masks``: the tokens
-        the constrained rows may take. Log-probabilities are the model's, before masks."""
+        """logits: [S, V] float32 or the model's dtype, one row per entry of ``rows``;
+        ``masks``: the tokens the constrained rows may take. Log-probabilities are the
+        model's, before masks."""
+        if logits.dtype != torch.float32:
+            if masks is None and all(_plain_greedy(r) for r in rows):
+                # Widening is exact and keeps the order: the argmax of the model's own
+                # logits, without an fp32 copy of them (a step's whole vocabulary per row).
+                return [(token, None) for token in argmax_rows(logits).tolist()]
+            logits = logits.float()
         raw = logits
         edit = masks is not None or any(_needs_edit(r) for r in rows)
         logits = logits.clone() if edit else logits
@@ -162,6 +169,11 @@ class Sampler:
                 top=list(zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist(), strict=True)),
             )
         return out
+
+
+def _plain_greedy(row: SamplingRow) -> bool:
+    """Greedy, with no edit of its logits and no logprobs: its token is the argmax alone."""
+    return row.params.greedy and row.params.logprobs is None and not _needs_edit(row)
 
 
 def _needs_edit(row: SamplingRow) -> bool:

@@ -33,12 +33,14 @@ def _rows(vocab: int) -> torch.Tensor:
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("vocab", [15, 16, 17, 49152, 49155])
-def test_argmax_rows_equals_torch(vocab: int) -> None:
+def test_argmax_rows_equals_torch(vocab: int, dtype: torch.dtype) -> None:
     assert KERNELS is not None
-    x = _rows(vocab)
+    x = _rows(vocab).to(dtype)  # bf16: more ties once rounded; the first still wins
     assert torch.equal(KERNELS.ops.argmax_rows(x), x.argmax(dim=-1))
-    wide = torch.cat([x, torch.zeros((x.shape[0], 5))], dim=1)[:, :vocab]  # row stride > V
+    assert torch.equal(KERNELS.ops.argmax_rows(x), x.float().argmax(dim=-1))
+    wide = torch.cat([x, torch.zeros((x.shape[0], 5), dtype=dtype)], dim=1)[:, :vocab]
     assert torch.equal(KERNELS.ops.argmax_rows(wide), x.argmax(dim=-1))
     assert torch.equal(ops.argmax_rows(x), x.argmax(dim=-1))
 
@@ -53,9 +55,9 @@ def test_argmax_rows_of_a_one_token_vocabulary() -> None:
 @needs_kernels
 def test_argmax_rows_refuses_what_it_does_not_serve() -> None:
     assert KERNELS is not None
-    with pytest.raises(RuntimeError, match="argmax_rows: x must be fp32"):
-        KERNELS.ops.argmax_rows(torch.zeros((2, 4), dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="argmax_rows: x must be fp32 or bf16"):
+        KERNELS.ops.argmax_rows(torch.zeros((2, 4), dtype=torch.float16))
     # The wrapper gives those to torch.
-    x = torch.randn((3, 40)).to(torch.bfloat16)
+    x = torch.randn((3, 40)).to(torch.float16)
     assert torch.equal(ops.argmax_rows(x), x.argmax(dim=-1))
     assert ops.argmax_rows(torch.zeros((0, 7))).shape == (0,)

@@ -35,6 +35,30 @@ def test_greedy_is_argmax() -> None:
     assert [t for t, _ in out] == logits.argmax(-1).tolist()
 
 
+def test_bf16_logits_sample_as_their_fp32_widening() -> None:
+    """A bf16 model's logits reach the sampler in bf16: plain greedy rows take their
+    argmax as they are; a row that wants logprobs, a bias, penalties or a draw makes the
+    sampler widen them first (exactly), so every row gets what fp32 logits would give."""
+    logits = _logits(4, seed=3).to(torch.bfloat16)
+    wide = logits.float()
+    greedy = [_row(SamplingParams(temperature=0))] * 4
+    assert Sampler(torch.device("cpu"), 0)(logits, greedy) == Sampler(torch.device("cpu"), 0)(
+        wide, greedy
+    )
+
+    def mixed() -> list[SamplingRow]:  # fresh rows: a seeded row's generator advances
+        return [
+            _row(SamplingParams(temperature=0)),
+            _row(SamplingParams(temperature=0, logprobs=2)),
+            _row(SamplingParams(temperature=0, logit_bias=((7, 50.0),))),
+            _row(SamplingParams(temperature=0.8, seed=11), seed_gen=11),
+        ]
+
+    got = Sampler(torch.device("cpu"), 0)(logits, mixed())
+    assert got == Sampler(torch.device("cpu"), 0)(wide, mixed())
+    assert got[2][0] == 7  # the bias applied
+
+
 @pytest.mark.parametrize(
     "params",
     [

@@ -230,10 +230,16 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """``x.argmax(dim=-1)`` of 2-D logits; on CPU fp32 the compiled kernel (a vector pass
-    where torch's reduction takes one element at a time), with torch's answer: the first
-    index of the maximum, or of the first NaN."""
-    if x.is_cpu and x.dim() == 2 and x.dtype == torch.float32 and x.shape[1] and x.stride(1) == 1:
+    """``x.argmax(dim=-1)`` of 2-D logits; on CPU fp32 and bf16 the compiled kernel (a
+    vector pass where torch's reduction takes one element at a time), with torch's answer:
+    the first index of the maximum, or of the first NaN."""
+    if (
+        x.is_cpu
+        and x.dim() == 2
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and x.shape[1]
+        and x.stride(1) == 1
+    ):
         kernels = cpu_kernels()
         if kernels is not None:
             return kernels.ops.argmax_rows(x)
