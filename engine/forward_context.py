@@ -42,7 +42,9 @@ class AttentionMetadata:
     # The first ``num_decode`` rows are single-token queries, one per sequence.
     num_decode: int
     decode_block_tables: torch.Tensor | None  # [num_decode, max_blocks] long, 0-padded
-    # Additive mask [num_decode, max_blocks * block_size]: 0 for context, -inf for padding.
+    # Additive mask [num_decode, max_blocks * block_size]: 0 for context, -inf for padding;
+    # None: built from the tables and lengths by the attention that reads it, if any
+    # (engine.layers.attention.decode_mask).
     decode_mask: torch.Tensor | None
     prefills: list[PrefillSeq]
     # [num_decode] int64: tokens of context of each decode row, its query included. The

@@ -448,7 +448,7 @@ class ModelRunner:
                     block_ids=torch.tensor(s.block_ids, dtype=torch.long, device=self.device),
                 )
             )
-        tables = mask = lens = None
+        tables = lens = None
         if decode:
             width = max(len(seqs[i].block_ids) for i in decode)
             tables_list = [
@@ -456,9 +456,6 @@ class ModelRunner:
             ]
             tables = torch.tensor(tables_list, dtype=torch.long, device=self.device)
             lens = torch.tensor([seqs[i].start + 1 for i in decode], device=self.device)
-            cols = torch.arange(width * bs, device=self.device)
-            mask = torch.zeros((len(decode), width * bs), dtype=torch.float32, device=self.device)
-            mask.masked_fill_(cols.unsqueeze(0) >= lens.unsqueeze(1), float("-inf"))
         sample_idx = [i for i, s in enumerate(seqs) if s.sample]
         dev = self.device
         return PreparedStep(
@@ -469,7 +466,7 @@ class ModelRunner:
                 slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
                 num_decode=len(decode),
                 decode_block_tables=tables,
-                decode_mask=mask,
+                decode_mask=None,  # built by the plain-torch attention if it runs
                 prefills=prefills,
                 decode_context_lens=lens,
             ),

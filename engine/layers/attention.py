@@ -213,15 +213,33 @@ def row_tables(meta: AttentionMetadata, rows: int) -> tuple[torch.Tensor, torch.
     return tables, lens
 
 
-def decode_window_mask(meta: AttentionMetadata, window: int) -> torch.Tensor:
-    """``meta.decode_mask`` with every column before each row's window also at -inf."""
+def decode_mask(meta: AttentionMetadata, block_size: int) -> torch.Tensor:
+    """The additive mask of the decode rows [num_decode, max blocks x block_size]: 0 for
+    context, -inf for padding. The runner's, or built from the block tables and context
+    lengths once a step and kept on the metadata: only the plain-torch attention reads
+    it, so the CPU runner does not build one for the compiled kernels."""
+    mask = meta.decode_mask
+    if mask is None:
+        tables, lens = meta.decode_block_tables, meta.decode_context_lens
+        assert tables is not None and lens is not None
+        cols = torch.arange(tables.shape[1] * block_size, device=tables.device)
+        mask = torch.zeros(
+            (tables.shape[0], cols.numel()), dtype=torch.float32, device=tables.device
+        )
+        mask.masked_fill_(cols.unsqueeze(0) >= lens.unsqueeze(1), float("-inf"))
+        meta.decode_mask = mask
+    return mask
+
+
+def decode_window_mask(meta: AttentionMetadata, window: int, block_size: int) -> torch.Tensor:
+    """The decode mask with every column before each row's window also at -inf."""
     mask = meta.decode_window_masks.get(window)
     if mask is None:
-        assert meta.decode_mask is not None
+        full = decode_mask(meta, block_size)
         lens = decode_context_lens(meta)
-        cols = torch.arange(meta.decode_mask.shape[1], device=meta.decode_mask.device)
+        cols = torch.arange(full.shape[1], device=full.device)
         outside = cols.unsqueeze(0) < (lens - window).unsqueeze(1)
-        mask = meta.decode_mask.masked_fill(outside, float("-inf"))
+        mask = full.masked_fill(outside, float("-inf"))
         meta.decode_window_masks[window] = mask
     return mask
 
@@ -376,9 +394,10 @@ class PagedAttention(nn.Module):
         values = v_cache.index_select(1, idx).view(hkv, b, m * bs, d)
         qg = q.view(b, hkv, self.group, d).transpose(0, 1)  # [Hkv, B, G, D]
         scores = torch.matmul(qg, keys.transpose(-1, -2))  # [Hkv, B, G, T], q's dtype
-        mask = meta.decode_mask
         if self.sliding_window:
-            mask = decode_window_mask(meta, self.sliding_window)
+            mask = decode_window_mask(meta, self.sliding_window, bs)
+        else:
+            mask = decode_mask(meta, bs)
         # One op scales, masks and widens to fp32 (the mask is fp32).
         scores = torch.add(mask[None, :, None, :], scores, alpha=self.scale)
         probs = torch.softmax(scores, dim=-1).to(values.dtype)
