@@ -194,3 +194,14 @@ def test_a_member_holding_the_prompts_prefix_keeps_it_over_packing() -> None:
     set_up(r, "d0:1", HOST_A, num_running=2)  # the busier one, which packing would fill
     assert r.pick(32, prompt=held).decode == "d1:1"
     assert r.pick(32, prompt=prompt(8)).decode == "d0:1"  # nothing held: packed
+
+
+def test_a_burst_of_long_prompts_moves_on_once_their_blocks_fill_a_member() -> None:
+    """Between two reports, the blocks of the prompts already picked count against a
+    member's free blocks: a burst of long prompts fills one member's pool, not its queue."""
+    r = router(2)
+    set_up(r, "d0:1", HOST_A, free_kv_blocks=20)
+    set_up(r, "d1:1", HOST_A, free_kv_blocks=20)
+    set_up(r, "p0:1")
+    # 160 tokens: 10 blocks of 16 each; two fit in a member's 20 free blocks.
+    assert decodes(r, 4, prompt_tokens=160) == ["d0:1", "d0:1", "d1:1", "d1:1"]

@@ -234,6 +234,7 @@ class Router:
             )
             chosen.prompt_tokens_since_poll += num_prompt_tokens
             decode.picks_since_poll += 1
+            decode.blocks_since_poll += decode.prompt_blocks(num_prompt_tokens)
             return Route(decode=decode.address, prefill=chosen.address)
         prefill = ""
         if self.single_process:
@@ -269,6 +270,7 @@ class Router:
             prefill = chosen.address
             self.remote_prefills += 1
         decode.picks_since_poll += 1
+        decode.blocks_since_poll += decode.prompt_blocks(num_prompt_tokens)
         return Route(decode=decode.address, prefill=prefill)
 
     def _local(self, avoid: Collection[str], prompt: PromptHashes) -> WorkerState | None:

@@ -66,6 +66,7 @@ class WorkerState:
     load: int = 0  # running + waiting + waiting for KV
     queued_prompt_tokens: int = 0
     picks_since_poll: int = 0
+    blocks_since_poll: int = 0  # prompt blocks of those picks (decode: they take them)
     prompt_tokens_since_poll: int = 0
     last_error: str = NOT_POLLED
     last_seen: float = 0.0  # time.monotonic() of the last serving answer
@@ -105,17 +106,21 @@ class WorkerState:
         full), so the gateway refuses it itself, without the round trip."""
         return self.capacity > 0 and self.occupancy >= self.capacity
 
+    def prompt_blocks(self, prompt_tokens: int) -> int:
+        """KV blocks a prompt of ``prompt_tokens`` takes here (0: block size unknown)."""
+        return -(-max(1, prompt_tokens) // self.block_size) if self.block_size else 0
+
     def seats_now(self, prompt_tokens: int) -> bool:
         """A request sent here now would start at once, as far as this gateway knows: a
-        free seat, nothing queued ahead of it, and free blocks for its prompt (those of
-        the requests picked since the last report not counted: they take a seat each)."""
+        free seat, nothing queued ahead of it, and free blocks for its prompt beside the
+        prompts picked here since the last report."""
         if not self.max_num_seqs or not self.block_size:
             return False
-        blocks = -(-max(1, prompt_tokens) // self.block_size)
+        free = self.free_kv_blocks - self.blocks_since_poll
         return (
             self.occupancy < self.max_num_seqs
             and not self.waiting
-            and self.free_kv_blocks >= blocks
+            and free >= self.prompt_blocks(prompt_tokens)
         )
 
     def decode_score(self) -> float:
@@ -135,6 +140,7 @@ class WorkerState:
         self.queued_prompt_tokens = stats.queued_prompt_tokens
         self.cpu_kernel_routes = dict(stats.cpu_kernel_routes)
         self.picks_since_poll = 0
+        self.blocks_since_poll = 0
         self.prompt_tokens_since_poll = 0
         self.ended_since_poll = 0
         self.max_num_seqs = stats.max_num_seqs
