@@ -17,6 +17,7 @@ import json
 import math
 import os
 import random
+import signal
 import struct
 import subprocess
 import threading
@@ -38,6 +39,18 @@ SINGLE_STREAM_SEED = 1234
 PROMPT_ID_RANGE = (1000, 40000)
 
 _RSS_POLL_S = 0.1
+
+
+def stop_on_sigterm() -> None:
+    """Make SIGTERM end a harness as Ctrl-C does (``KeyboardInterrupt`` in the main
+    thread), so every ``with LocalCluster`` it is inside stops its processes. SIGTERM's
+    default action kills the harness alone and leaves its clusters' gateway and workers
+    running. For a harness's ``__main__``: tests call ``main`` in their own process."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupt)
 
 
 @dataclass(frozen=True, slots=True)

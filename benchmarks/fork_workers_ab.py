@@ -151,4 +151,5 @@ def main(argv: list[str] | None = None) -> Path:
 
 
 if __name__ == "__main__":
+    common.stop_on_sigterm()
     main()

@@ -64,8 +64,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
+from benchmarks import common, multi_turn_report, provenance
 from benchmarks import multi_turn_driver as driver
-from benchmarks import multi_turn_report, provenance
 from benchmarks import multi_turn_workload as workload
 from benchmarks.machine_load import LoadWatch
 from benchmarks.openai_load import percentile, summarize
@@ -416,4 +416,5 @@ def main(argv: list[str] | None = None) -> Path:
 
 
 if __name__ == "__main__":
+    common.stop_on_sigterm()
     main()
