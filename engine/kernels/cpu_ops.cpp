@@ -17,7 +17,11 @@
 #include <ATen/ops/add.h>
 #include <ATen/ops/linear.h>
 
+#include <memory>
+#include <mutex>
 #include <string>
+#include <unordered_map>
+#include <vector>
 
 #include "csrc/argmax.h"
 #include "csrc/attention.h"
@@ -287,6 +291,79 @@ at::Tensor decode_stack(const at::Tensor& hidden, const at::Tensor& positions, a
   return h;
 }
 
+// decode_stack's per-layer lists, converted once. Passed through the dispatcher every
+// step, their 14 lists of 30 tensors took ~100 us to convert (a batch-1 step of
+// SmolLM2-135M is ~7 ms); decode_stack_prepare keeps them here under a handle, and
+// decode_stack_run takes the handle and the step's own tensors.
+struct StackArgs {
+  std::vector<at::Tensor> in_norm_w, qkv_w, o_w, post_norm_w, gate_up_w, down_w;
+  c10::List<std::optional<at::Tensor>> qkv_b, qkv_p, o_p, gate_up_p, down_p, qkv_pp, o_pp, gate_up_pp, down_pp;
+  int64_t num_heads;
+  double eps, scale;
+  std::vector<int64_t> windows, routes;
+  int64_t split;
+};
+
+inline std::mutex g_stacks_mutex;
+inline std::unordered_map<int64_t, std::shared_ptr<const StackArgs>> g_stacks;
+inline int64_t g_next_stack = 1;
+
+int64_t decode_stack_prepare(at::TensorList in_norm_w, at::TensorList qkv_w,
+                             const c10::List<std::optional<at::Tensor>>& qkv_b, at::TensorList o_w,
+                             at::TensorList post_norm_w, at::TensorList gate_up_w, at::TensorList down_w,
+                             const c10::List<std::optional<at::Tensor>>& qkv_p,
+                             const c10::List<std::optional<at::Tensor>>& o_p,
+                             const c10::List<std::optional<at::Tensor>>& gate_up_p,
+                             const c10::List<std::optional<at::Tensor>>& down_p,
+                             const c10::List<std::optional<at::Tensor>>& qkv_pp,
+                             const c10::List<std::optional<at::Tensor>>& o_pp,
+                             const c10::List<std::optional<at::Tensor>>& gate_up_pp,
+                             const c10::List<std::optional<at::Tensor>>& down_pp, int64_t num_heads, double eps,
+                             double scale, at::IntArrayRef windows, at::IntArrayRef routes, int64_t split) {
+  const size_t L = qkv_w.size();
+  TORCH_CHECK(in_norm_w.size() == L && qkv_b.size() == L && o_w.size() == L && post_norm_w.size() == L &&
+                  gate_up_w.size() == L && down_w.size() == L && qkv_p.size() == L && o_p.size() == L &&
+                  gate_up_p.size() == L && down_p.size() == L && qkv_pp.size() == L && o_pp.size() == L &&
+                  gate_up_pp.size() == L && down_pp.size() == L && windows.size() == L,
+              "decode_stack: every per-layer list needs one entry per layer");
+  auto args = std::make_shared<StackArgs>(StackArgs{
+      in_norm_w.vec(), qkv_w.vec(), o_w.vec(), post_norm_w.vec(), gate_up_w.vec(), down_w.vec(), qkv_b.copy(),
+      qkv_p.copy(), o_p.copy(), gate_up_p.copy(), down_p.copy(), qkv_pp.copy(), o_pp.copy(), gate_up_pp.copy(),
+      down_pp.copy(), num_heads, eps, scale, windows.vec(), routes.vec(), split});
+  std::lock_guard<std::mutex> lock(g_stacks_mutex);
+  const int64_t handle = g_next_stack++;
+  g_stacks.emplace(handle, std::move(args));
+  return handle;
+}
+
+void decode_stack_release(int64_t handle) {
+  std::lock_guard<std::mutex> lock(g_stacks_mutex);
+  g_stacks.erase(handle);
+}
+
+int64_t decode_stacks_held() {
+  std::lock_guard<std::mutex> lock(g_stacks_mutex);
+  return int64_t(g_stacks.size());
+}
+
+// decode_stack over the lists decode_stack_prepare kept under ``handle``.
+at::Tensor decode_stack_run(const at::Tensor& hidden, const at::Tensor& positions, at::Tensor& kv_cache,
+                            const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                            const at::Tensor& context_lens, const at::Tensor& cos, const at::Tensor& sin,
+                            int64_t handle) {
+  std::shared_ptr<const StackArgs> a;
+  {
+    std::lock_guard<std::mutex> lock(g_stacks_mutex);
+    const auto it = g_stacks.find(handle);
+    TORCH_CHECK(it != g_stacks.end(), "decode_stack_run: no prepared stack ", handle);
+    a = it->second;
+  }
+  return decode_stack(hidden, positions, kv_cache, slot_mapping, block_tables, context_lens, cos, sin, a->in_norm_w,
+                      a->qkv_w, a->qkv_b, a->o_w, a->post_norm_w, a->gate_up_w, a->down_w, a->qkv_p, a->o_p,
+                      a->gate_up_p, a->down_p, a->qkv_pp, a->o_pp, a->gate_up_pp, a->down_pp, a->num_heads, a->eps,
+                      a->scale, a->windows, a->routes, a->split);
+}
+
 }  // namespace baton_kernels
 
 using namespace baton_kernels;
@@ -319,6 +396,20 @@ TORCH_LIBRARY(baton_cpu, m) {
       "Tensor?[] qkv_p, Tensor?[] o_p, Tensor?[] gate_up_p, Tensor?[] down_p, Tensor?[] qkv_pp, "
       "Tensor?[] o_pp, Tensor?[] gate_up_pp, Tensor?[] down_pp, int num_heads, float eps, float scale, "
       "int[] windows, int[] routes=[], int split=0) -> Tensor");
+  // Catch-all kernels: the prepacked weights among the lists are MkldnnCPU tensors.
+  m.def(
+      "decode_stack_prepare(Tensor[] in_norm_w, Tensor[] qkv_w, Tensor?[] qkv_b, Tensor[] o_w, "
+      "Tensor[] post_norm_w, Tensor[] gate_up_w, Tensor[] down_w, Tensor?[] qkv_p, Tensor?[] o_p, "
+      "Tensor?[] gate_up_p, Tensor?[] down_p, Tensor?[] qkv_pp, Tensor?[] o_pp, Tensor?[] gate_up_pp, "
+      "Tensor?[] down_pp, int num_heads, float eps, float scale, int[] windows, int[] routes=[], "
+      "int split=0) -> int",
+      &decode_stack_prepare);
+  m.def("decode_stack_release(int handle) -> ()", &decode_stack_release);
+  m.def("decode_stacks_held() -> int", &decode_stacks_held);
+  m.def(
+      "decode_stack_run(Tensor hidden, Tensor positions, Tensor(a!) kv_cache, Tensor slot_mapping, "
+      "Tensor block_tables, Tensor context_lens, Tensor cos, Tensor sin, int handle) -> Tensor",
+      &decode_stack_run);
   m.def("has_bf16_dot() -> bool", &has_bf16_dot);
   m.def("set_panel_prefetch(int lines) -> int", &set_panel_prefetch);
   m.def("decode_team_runs() -> int", &decode_team_runs);

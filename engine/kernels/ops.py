@@ -9,6 +9,7 @@ only where it is available, the tensors are on the CPU and it measured faster
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -345,7 +346,7 @@ def _layer_weights_ok(
     )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, weakref_slot=True)
 class DecodeStack:
     """Every layer's weights for ``decode_stack``, layer ``l`` at index ``l``; made by
     ``make_decode_stack``, which checks them once. ``packed`` holds the prepacked copies
@@ -370,6 +371,9 @@ class DecodeStack:
     routes: tuple[int, ...] = ()
     # The attention's fixed KV split in tokens (deterministic mode); 0: chosen per batch.
     split: int = 0
+    # The compiled kernels' copy of the lists above (``decode_stack_prepare``), released
+    # with the stack; 0: none, the lists go with every call.
+    handle: int = 0
 
 
 def make_decode_stack(
@@ -395,17 +399,22 @@ def make_decode_stack(
             return None
     if len({(layer["eps"], layer["scale"]) for layer in layers}) != 1:
         return None
-    return DecodeStack(
-        dtype=dtype,
-        **{k: [layer[k] for layer in layers] for k in (*keys, "qkv_bias")},
-        packed=tuple([layer["packed"][i] for layer in layers] for i in range(8)),
-        windows=[layer["window"] for layer in layers],
-        num_heads=num_heads,
-        eps=layers[0]["eps"],
-        scale=layers[0]["scale"],
-        routes=routes,
-        split=split,
-    )
+    lists = {k: [layer[k] for layer in layers] for k in (*keys, "qkv_bias")}
+    packed = tuple([layer["packed"][i] for layer in layers] for i in range(8))
+    windows = [layer["window"] for layer in layers]
+    eps, scale = layers[0]["eps"], layers[0]["scale"]
+    ops = cpu_kernels().ops
+    handle = ops.decode_stack_prepare(
+        lists["in_norm"], lists["qkv"], lists["qkv_bias"], lists["o"], lists["post_norm"],
+        lists["gate_up"], lists["down"], *packed, num_heads, eps, scale, windows, list(routes),
+        split,
+    )  # fmt: skip
+    stack = DecodeStack(
+        dtype=dtype, **lists, packed=packed, windows=windows, num_heads=num_heads, eps=eps,
+        scale=scale, routes=routes, split=split, handle=handle,
+    )  # fmt: skip
+    weakref.finalize(stack, ops.decode_stack_release, handle)
+    return stack
 
 
 def decode_stack(
@@ -428,6 +437,11 @@ def decode_stack(
     kernels = _decode_kernels(hidden, kv_cache, cos, positions)
     if kernels is None:
         return None
+    if stack.handle:
+        return kernels.decode_stack_run(
+            hidden, positions, kv_cache, slot_mapping, block_tables, context_lens, cos, sin,
+            stack.handle,
+        )  # fmt: skip
     return kernels.decode_stack(
         hidden, positions, kv_cache, slot_mapping, block_tables, context_lens, cos, sin,
         stack.in_norm, stack.qkv, stack.qkv_bias, stack.o, stack.post_norm, stack.gate_up,
