@@ -341,11 +341,6 @@ void decode_stack_release(int64_t handle) {
   g_stacks.erase(handle);
 }
 
-int64_t decode_stacks_held() {
-  std::lock_guard<std::mutex> lock(g_stacks_mutex);
-  return int64_t(g_stacks.size());
-}
-
 // decode_stack over the lists decode_stack_prepare kept under ``handle``.
 at::Tensor decode_stack_run(const at::Tensor& hidden, const at::Tensor& positions, at::Tensor& kv_cache,
                             const at::Tensor& slot_mapping, const at::Tensor& block_tables,
@@ -405,7 +400,6 @@ TORCH_LIBRARY(baton_cpu, m) {
       "int split=0) -> int",
       &decode_stack_prepare);
   m.def("decode_stack_release(int handle) -> ()", &decode_stack_release);
-  m.def("decode_stacks_held() -> int", &decode_stacks_held);
   m.def(
       "decode_stack_run(Tensor hidden, Tensor positions, Tensor(a!) kv_cache, Tensor slot_mapping, "
       "Tensor block_tables, Tensor context_lens, Tensor cos, Tensor sin, int handle) -> Tensor",
