@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
+from gateway.served_model import ServedModel
 from gateway.tools.calls import parse_tool_calls
 from gateway.tools.plan import ToolChoice, parse_tools
-from gateway.served_model import ServedModel
 from tests.fake_workers import FakeDecodeWorker, Script, fake_workers
 from tests.http_helpers import MODEL, ids_of, running_http
 

@@ -9,9 +9,9 @@ import random
 
 import pytest
 
-from gateway.tools.plan import parse_tools
 from gateway.tools.call_stream import CallArguments, CallOpened, Content, Event, ToolCallStream
 from gateway.tools.calls import parse_tool_calls
+from gateway.tools.plan import parse_tools
 from tests.test_openai_tools import TOOLS
 
 CALL = '{"name": "get_weather", "parameters": {"city": "Oslo", "days": 3}}'
