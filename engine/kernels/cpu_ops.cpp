@@ -251,9 +251,65 @@ std::optional<at::Tensor> decode_stack_team(
   return out;
 }
 
+// decode_stack's per-layer lists (each layer's arguments of decode_layer; windows[l] is
+// layer l's window), checked once and kept as the kernels read them.
+struct StackArgs {
+  std::vector<at::Tensor> in_norm_w, qkv_w, o_w, post_norm_w, gate_up_w, down_w;
+  c10::List<std::optional<at::Tensor>> qkv_b, qkv_p, o_p, gate_up_p, down_p, qkv_pp, o_pp, gate_up_pp, down_pp;
+  int64_t num_heads;
+  double eps, scale;
+  std::vector<int64_t> windows, routes;
+  int64_t split;
+};
+
+StackArgs stack_args(at::TensorList in_norm_w, at::TensorList qkv_w,
+                     const c10::List<std::optional<at::Tensor>>& qkv_b, at::TensorList o_w,
+                     at::TensorList post_norm_w, at::TensorList gate_up_w, at::TensorList down_w,
+                     const c10::List<std::optional<at::Tensor>>& qkv_p,
+                     const c10::List<std::optional<at::Tensor>>& o_p,
+                     const c10::List<std::optional<at::Tensor>>& gate_up_p,
+                     const c10::List<std::optional<at::Tensor>>& down_p,
+                     const c10::List<std::optional<at::Tensor>>& qkv_pp,
+                     const c10::List<std::optional<at::Tensor>>& o_pp,
+                     const c10::List<std::optional<at::Tensor>>& gate_up_pp,
+                     const c10::List<std::optional<at::Tensor>>& down_pp, int64_t num_heads, double eps,
+                     double scale, at::IntArrayRef windows, at::IntArrayRef routes, int64_t split) {
+  const size_t L = qkv_w.size();
+  TORCH_CHECK(in_norm_w.size() == L && qkv_b.size() == L && o_w.size() == L && post_norm_w.size() == L &&
+                  gate_up_w.size() == L && down_w.size() == L && qkv_p.size() == L && o_p.size() == L &&
+                  gate_up_p.size() == L && down_p.size() == L && qkv_pp.size() == L && o_pp.size() == L &&
+                  gate_up_pp.size() == L && down_pp.size() == L && windows.size() == L,
+              "decode_stack: every per-layer list needs one entry per layer");
+  return StackArgs{in_norm_w.vec(), qkv_w.vec(),     o_w.vec(),   post_norm_w.vec(), gate_up_w.vec(),
+                   down_w.vec(),    qkv_b.copy(),    qkv_p.copy(), o_p.copy(),       gate_up_p.copy(),
+                   down_p.copy(),   qkv_pp.copy(),   o_pp.copy(),  gate_up_pp.copy(), down_pp.copy(),
+                   num_heads,       eps,             scale,        windows.vec(),     routes.vec(),
+                   split};
+}
+
 // Every decoder layer of a decode-only step, layer l on KV layer l, in one call: at batch
 // 1 the Python around thirty separate decode_layer calls cost a tenth of the forward.
-// The lists hold each layer's arguments of decode_layer; windows[l] is layer l's window.
+at::Tensor decode_stack_with(const at::Tensor& hidden, const at::Tensor& positions, at::Tensor& kv_cache,
+                             const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                             const at::Tensor& context_lens, const at::Tensor& cos, const at::Tensor& sin,
+                             const StackArgs& a) {
+  const size_t L = a.qkv_w.size();
+  TORCH_CHECK(int64_t(L) <= kv_cache.size(0), "decode_stack: ", L, " layers but a KV cache of ", kv_cache.size(0));
+  if (std::optional<at::Tensor> out = decode_stack_team(
+          hidden, positions, kv_cache, slot_mapping, block_tables, context_lens, cos, sin, a.in_norm_w, a.qkv_w,
+          a.qkv_b, a.o_w, a.post_norm_w, a.gate_up_w, a.down_w, a.qkv_p, a.o_p, a.gate_up_p, a.down_p, a.qkv_pp,
+          a.o_pp, a.gate_up_pp, a.down_pp, a.num_heads, a.eps, a.scale, a.windows, a.routes, a.split))
+    return *out;
+  at::Tensor h = hidden;
+  for (size_t l = 0; l < L; ++l)
+    h = decode_layer(h, positions, kv_cache, int64_t(l), slot_mapping, block_tables, context_lens, cos, sin,
+                     a.in_norm_w[l], a.qkv_w[l], entry(a.qkv_b, l), a.o_w[l], a.post_norm_w[l], a.gate_up_w[l],
+                     a.down_w[l], entry(a.qkv_p, l), entry(a.o_p, l), entry(a.gate_up_p, l), entry(a.down_p, l),
+                     entry(a.qkv_pp, l), entry(a.o_pp, l), entry(a.gate_up_pp, l), entry(a.down_pp, l),
+                     a.num_heads, a.eps, a.scale, a.windows[l], a.routes, a.split);
+  return h;
+}
+
 at::Tensor decode_stack(const at::Tensor& hidden, const at::Tensor& positions, at::Tensor& kv_cache,
                         const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                         const at::Tensor& context_lens, const at::Tensor& cos, const at::Tensor& sin,
@@ -269,41 +325,16 @@ at::Tensor decode_stack(const at::Tensor& hidden, const at::Tensor& positions, a
                         const c10::List<std::optional<at::Tensor>>& gate_up_pp,
                         const c10::List<std::optional<at::Tensor>>& down_pp, int64_t num_heads, double eps,
                         double scale, at::IntArrayRef windows, at::IntArrayRef routes, int64_t split) {
-  const size_t L = qkv_w.size();
-  TORCH_CHECK(in_norm_w.size() == L && qkv_b.size() == L && o_w.size() == L && post_norm_w.size() == L &&
-                  gate_up_w.size() == L && down_w.size() == L && qkv_p.size() == L && o_p.size() == L &&
-                  gate_up_p.size() == L && down_p.size() == L && qkv_pp.size() == L && o_pp.size() == L &&
-                  gate_up_pp.size() == L && down_pp.size() == L && windows.size() == L,
-              "decode_stack: every per-layer list needs one entry per layer");
-  TORCH_CHECK(int64_t(L) <= kv_cache.size(0), "decode_stack: ", L, " layers but a KV cache of ", kv_cache.size(0));
-  if (std::optional<at::Tensor> out = decode_stack_team(
-          hidden, positions, kv_cache, slot_mapping, block_tables, context_lens, cos, sin, in_norm_w, qkv_w, qkv_b,
-          o_w, post_norm_w, gate_up_w, down_w, qkv_p, o_p, gate_up_p, down_p, qkv_pp, o_pp, gate_up_pp, down_pp,
-          num_heads, eps, scale, windows, routes, split))
-    return *out;
-  at::Tensor h = hidden;
-  for (size_t l = 0; l < L; ++l)
-    h = decode_layer(h, positions, kv_cache, int64_t(l), slot_mapping, block_tables, context_lens, cos, sin,
-                     in_norm_w[l], qkv_w[l], entry(qkv_b, l), o_w[l], post_norm_w[l], gate_up_w[l], down_w[l],
-                     entry(qkv_p, l), entry(o_p, l), entry(gate_up_p, l), entry(down_p, l), entry(qkv_pp, l),
-                     entry(o_pp, l), entry(gate_up_pp, l), entry(down_pp, l), num_heads, eps, scale, windows[l],
-                     routes, split);
-  return h;
+  return decode_stack_with(hidden, positions, kv_cache, slot_mapping, block_tables, context_lens, cos, sin,
+                           stack_args(in_norm_w, qkv_w, qkv_b, o_w, post_norm_w, gate_up_w, down_w, qkv_p, o_p,
+                                      gate_up_p, down_p, qkv_pp, o_pp, gate_up_pp, down_pp, num_heads, eps, scale,
+                                      windows, routes, split));
 }
 
-// decode_stack's per-layer lists, converted once. Passed through the dispatcher every
-// step, their 14 lists of 30 tensors took ~100 us to convert (a batch-1 step of
-// SmolLM2-135M is ~7 ms); decode_stack_prepare keeps them here under a handle, and
-// decode_stack_run takes the handle and the step's own tensors.
-struct StackArgs {
-  std::vector<at::Tensor> in_norm_w, qkv_w, o_w, post_norm_w, gate_up_w, down_w;
-  c10::List<std::optional<at::Tensor>> qkv_b, qkv_p, o_p, gate_up_p, down_p, qkv_pp, o_pp, gate_up_pp, down_pp;
-  int64_t num_heads;
-  double eps, scale;
-  std::vector<int64_t> windows, routes;
-  int64_t split;
-};
-
+// Passed through the dispatcher every step, decode_stack's 14 lists of 30 tensors took
+// ~50 us more to convert than a handle (a batch-1 step of SmolLM2-135M is ~7 ms):
+// decode_stack_prepare keeps them here under a handle, and decode_stack_run takes the
+// handle and the step's own tensors.
 inline std::mutex g_stacks_mutex;
 inline std::unordered_map<int64_t, std::shared_ptr<const StackArgs>> g_stacks;
 inline int64_t g_next_stack = 1;
@@ -320,16 +351,10 @@ int64_t decode_stack_prepare(at::TensorList in_norm_w, at::TensorList qkv_w,
                              const c10::List<std::optional<at::Tensor>>& gate_up_pp,
                              const c10::List<std::optional<at::Tensor>>& down_pp, int64_t num_heads, double eps,
                              double scale, at::IntArrayRef windows, at::IntArrayRef routes, int64_t split) {
-  const size_t L = qkv_w.size();
-  TORCH_CHECK(in_norm_w.size() == L && qkv_b.size() == L && o_w.size() == L && post_norm_w.size() == L &&
-                  gate_up_w.size() == L && down_w.size() == L && qkv_p.size() == L && o_p.size() == L &&
-                  gate_up_p.size() == L && down_p.size() == L && qkv_pp.size() == L && o_pp.size() == L &&
-                  gate_up_pp.size() == L && down_pp.size() == L && windows.size() == L,
-              "decode_stack: every per-layer list needs one entry per layer");
-  auto args = std::make_shared<StackArgs>(StackArgs{
-      in_norm_w.vec(), qkv_w.vec(), o_w.vec(), post_norm_w.vec(), gate_up_w.vec(), down_w.vec(), qkv_b.copy(),
-      qkv_p.copy(), o_p.copy(), gate_up_p.copy(), down_p.copy(), qkv_pp.copy(), o_pp.copy(), gate_up_pp.copy(),
-      down_pp.copy(), num_heads, eps, scale, windows.vec(), routes.vec(), split});
+  auto args = std::make_shared<const StackArgs>(stack_args(in_norm_w, qkv_w, qkv_b, o_w, post_norm_w, gate_up_w,
+                                                           down_w, qkv_p, o_p, gate_up_p, down_p, qkv_pp, o_pp,
+                                                           gate_up_pp, down_pp, num_heads, eps, scale, windows,
+                                                           routes, split));
   std::lock_guard<std::mutex> lock(g_stacks_mutex);
   const int64_t handle = g_next_stack++;
   g_stacks.emplace(handle, std::move(args));
@@ -353,10 +378,7 @@ at::Tensor decode_stack_run(const at::Tensor& hidden, const at::Tensor& position
     TORCH_CHECK(it != g_stacks.end(), "decode_stack_run: no prepared stack ", handle);
     a = it->second;
   }
-  return decode_stack(hidden, positions, kv_cache, slot_mapping, block_tables, context_lens, cos, sin, a->in_norm_w,
-                      a->qkv_w, a->qkv_b, a->o_w, a->post_norm_w, a->gate_up_w, a->down_w, a->qkv_p, a->o_p,
-                      a->gate_up_p, a->down_p, a->qkv_pp, a->o_pp, a->gate_up_pp, a->down_pp, a->num_heads, a->eps,
-                      a->scale, a->windows, a->routes, a->split);
+  return decode_stack_with(hidden, positions, kv_cache, slot_mapping, block_tables, context_lens, cos, sin, *a);
 }
 
 }  // namespace baton_kernels
